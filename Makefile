@@ -1,0 +1,38 @@
+# Outrider's two entry points for a fresh machine: `make demo` and `make test`.
+# Each creates .venv (once) and installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines get the CPU build: on this machine kind `torch==2.13.0` resolves to a local
+# CPU wheel. On a GPU machine set TORCH=torch (the CUDA build from PyPI).
+TORCH ?= torch==2.13.0
+SIZE ?= small
+
+.PHONY: install demo test lint clean-venv
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	# proto-plus (ray[serve] -> opencensus -> google-api-core) installs a top-level `proto`
+	# package that shadows ours; nothing Ray Serve runs imports it.
+	$(PY) -m pip uninstall --quiet --yes proto-plus || true
+	$(VENV)/bin/outrider check-install
+	touch $@
+
+demo: install
+	$(VENV)/bin/outrider demo build --size $(SIZE)
+	$(VENV)/bin/outrider generate --demo $(SIZE) --prompt "def fibonacci(n):" --max-new-tokens 64
+
+test: install
+	$(PY) -m pytest tests/cpu -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean-venv:
+	rm -rf $(VENV)
