@@ -1,1 +1,30 @@
-"""Outrider: kernels."""
+"""Outrider kernels: tree buffers, logits processing, verification, KV compaction, metrics.
+
+Each op has a torch reference (any device) and a Triton kernel (CUDA), same signature,
+chosen by `kernels.backend.use_triton`. Importing this package never imports triton.
+"""
+
+from kernels.backend import Backend, use_triton
+from kernels.kv_compaction import compact_kv
+from kernels.logits_processing import process_logits
+from kernels.packing import PackedTrees, pack_trees
+from kernels.spec_metrics import SpecDecodeCounters
+from kernels.tree_buffers import TreeBuffers, build_tree_buffers, tree_attention_mask
+from kernels.verify import VerifyOutput, VerifyRandoms, draw_verify_randoms, verify
+
+__all__ = [
+    "Backend",
+    "PackedTrees",
+    "SpecDecodeCounters",
+    "TreeBuffers",
+    "VerifyOutput",
+    "VerifyRandoms",
+    "build_tree_buffers",
+    "compact_kv",
+    "draw_verify_randoms",
+    "pack_trees",
+    "process_logits",
+    "tree_attention_mask",
+    "use_triton",
+    "verify",
+]

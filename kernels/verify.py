@@ -1,0 +1,195 @@
+"""Lossless verification of candidate trees (ALGORITHMS.md sections 1-2).
+
+Each tree is walked from its root; at an accepted node its children are tried in local index
+order. Greedy sequences accept a child iff its token is the target argmax. Sampled sequences
+test child x against the residual r of the current node (r starts as p, sum S) and the
+working draft distribution q (sparse, renormalised here over its support):
+
+    DETERMINISTIC        accept if u < r(x)/S            reject: r(x) = 0
+    WITH_REPLACEMENT     accept if u * q(x) < r(x)/S     reject: r = relu(r/S - q)
+    WITHOUT_REPLACEMENT  as above, and on reject also    q(x) = 0, q renormalised
+
+A child whose token has q(x) = 0 is rejected (an honest drafter never sends one). When no
+child is accepted the output ends with a token drawn from r (recovered; from p itself when
+the node has no children: bonus). A chain is the tree with one child per node, so chain
+verification (min(1, p/q), residual max(0, p - q), bonus from p) is this same walk.
+
+Randomness is an input (`VerifyRandoms`): one uniform per node and one exponential per
+(sequence, vocab entry). A token is drawn from r as argmax_v r(v) / E_v (the exponential
+race: P(v) = r(v) / S), which needs no cumulative sum, so the torch reference and the Triton
+kernel pick the same token from the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.backend import Backend, use_triton
+from kernels.packing import PackedTrees
+from proto.tree import DraftSampling
+
+_DETERMINISTIC = int(DraftSampling.DETERMINISTIC)
+_WITHOUT_REPLACEMENT = int(DraftSampling.WITHOUT_REPLACEMENT)
+
+
+@dataclass
+class VerifyRandoms:
+    uniforms: torch.Tensor  # [total_nodes] float32 in [0, 1); node i's acceptance test
+    exponentials: torch.Tensor  # [batch, vocab] float32 > 0; Exp(1) noise for the final draw
+
+
+@dataclass
+class VerifyOutput:
+    accepted_node_ids: torch.Tensor  # [batch, max_num_nodes - 1] int64; local nodes, -1 pad
+    output_token_ids: torch.Tensor  # [batch, max_num_nodes] int64; accepted + recovered/bonus, -1 pad
+    num_output_tokens: torch.Tensor  # [batch] int64; >= 1
+
+    @property
+    def num_accepted(self) -> torch.Tensor:  # [batch] int64
+        return self.num_output_tokens - 1
+
+
+def draw_verify_randoms(
+    cu_num_draft_tokens: torch.Tensor,  # [batch + 1] int64
+    vocab_size: int,
+    generators: Sequence[torch.Generator | None] | torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> VerifyRandoms:
+    """Random inputs of `verify`; per-request generators make each request reproducible.
+
+    `generators` is one generator for the whole batch, or one per sequence (None entries use
+    torch's default generator): a seeded request gets the same numbers whatever it is batched
+    with. Generators must live on `device`.
+    """
+    device = torch.device(device or cu_num_draft_tokens.device)
+    sizes = (cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]).tolist()
+    if generators is None or isinstance(generators, torch.Generator):
+        uniforms = torch.rand(sum(sizes), generator=generators, device=device)
+        exponentials = torch.empty(len(sizes), vocab_size, device=device).exponential_(generator=generators)
+    else:
+        per_seq = zip(sizes, generators, strict=True)
+        uniforms = torch.cat([torch.rand(n, generator=g, device=device) for n, g in per_seq])
+        exponentials = torch.stack(
+            [torch.empty(vocab_size, device=device).exponential_(generator=g) for g in generators]
+        )
+    # exponential_ may return 0, and r / 0 would make a zero-probability token win the race.
+    return VerifyRandoms(uniforms, exponentials.clamp_min_(torch.finfo(torch.float32).tiny))
+
+
+def verify(
+    trees: PackedTrees,
+    target_probs: torch.Tensor,  # [total_nodes, vocab] float32; p after node i (process_logits)
+    is_greedy: torch.Tensor,  # [batch] bool
+    randoms: VerifyRandoms | None = None,  # may be None only when every sequence is greedy
+    backend: Backend | None = None,
+) -> VerifyOutput:
+    if randoms is None:
+        if not bool(is_greedy.all()):
+            raise ValueError("sampled sequences need VerifyRandoms (see draw_verify_randoms)")
+        randoms = VerifyRandoms(
+            torch.zeros(trees.token_ids.numel(), device=target_probs.device),
+            torch.ones(trees.batch_size, 1, device=target_probs.device),
+        )
+    if use_triton(backend, target_probs.device):
+        from kernels.verify_triton import verify_triton
+
+        return verify_triton(trees, target_probs, is_greedy, randoms)
+    return _verify_reference(trees, target_probs, is_greedy, randoms)
+
+
+def _verify_reference(
+    trees: PackedTrees, target_probs: torch.Tensor, is_greedy: torch.Tensor, randoms: VerifyRandoms
+) -> VerifyOutput:
+    """All trees walked together: each iteration tests one child per still-walking tree."""
+    device, n = target_probs.device, trees.max_num_nodes
+    cu = trees.cu_num_draft_tokens
+    starts, sizes = cu[:-1], cu[1:] - cu[:-1]
+    batch = sizes.numel()
+    rows = torch.arange(batch, device=device)
+    local = torch.arange(n, device=device)
+    flat = (starts[:, None] + local).clamp(max=trees.token_ids.numel() - 1)  # [batch, N]
+    valid = local < sizes[:, None]
+    parents = torch.where(valid, trees.parents[flat], -2)  # -2 matches no node
+    tokens = trees.token_ids[flat]
+    uniforms = randoms.uniforms[flat]
+    mode = trees.sampling
+    sampled = ~is_greedy
+    target_argmax = target_probs.argmax(-1)  # [total_nodes]
+
+    node = torch.zeros(batch, dtype=torch.int64, device=device)  # current (last accepted) node
+    cursor = torch.zeros_like(node)  # children tried so far have local index <= cursor
+    num_accepted = torch.zeros_like(node)
+    accepted = torch.full((batch, max(n - 1, 0)), -1, dtype=torch.int64, device=device)
+    residual = target_probs[starts].clone()  # [batch, vocab]; r, unnormalised
+    mass = residual.sum(-1)  # [batch]; S
+    q_ids, q_w = _load_q(trees, starts)  # [batch, K]; working q, unnormalised
+    walking = sizes > 1
+    while bool(walking.any()):
+        candidates = (parents == node[:, None]) & (local > cursor[:, None])
+        walking &= candidates.any(-1)
+        child = candidates.int().argmax(-1)  # first untried child
+        x = tokens[rows, child]
+        p_x = torch.where(mass > 0, residual[rows, x] / mass, 0.0)
+        q_mass = q_w.sum(-1)
+        q_x = torch.where(q_mass > 0, (q_w * (q_ids == x[:, None])).sum(-1) / q_mass, 0.0)
+        u = uniforms[rows, child]
+        accept = torch.where(
+            is_greedy,
+            x == target_argmax[starts + node],
+            torch.where(mode == _DETERMINISTIC, u < p_x, (q_x > 0) & (u * q_x < p_x)),
+        )
+        reject = walking & ~accept & sampled
+        accept &= walking
+        cursor = torch.where(walking, child, cursor)
+
+        det = reject & (mode == _DETERMINISTIC)
+        mass = torch.where(det, mass - residual[rows, x], mass)
+        residual[det, x[det]] = 0.0
+        rep = (reject & (mode != _DETERMINISTIC)).nonzero().squeeze(1)
+        if rep.numel():
+            q_dense = torch.zeros_like(residual[rep]).scatter_add_(
+                1, q_ids[rep].clamp(min=0), q_w[rep] / q_mass[rep, None]
+            )
+            safe_mass = torch.where(mass[rep] > 0, mass[rep], 1.0)
+            residual[rep] = torch.relu(residual[rep] / safe_mass[:, None] - q_dense)
+            mass[rep] = residual[rep].sum(-1)
+            without = rep[mode[rep] == _WITHOUT_REPLACEMENT]
+            q_w[without] = torch.where(q_ids[without] == x[without, None], 0.0, q_w[without])
+
+        moved = accept.nonzero().squeeze(1)
+        if moved.numel():
+            accepted[moved, num_accepted[moved]] = child[moved]
+            num_accepted[moved] += 1
+            node[moved] = child[moved]
+            residual[moved] = target_probs[starts[moved] + child[moved]]
+            mass[moved] = residual[moved].sum(-1)
+            q_ids[moved], q_w[moved] = _load_q(trees, starts[moved] + child[moved])
+
+    # Recovered (or bonus) token: a degenerate all-zero residual falls back to p.
+    source = torch.where((mass > 0)[:, None], residual, target_probs[starts + node])
+    drawn = (source / randoms.exponentials).argmax(-1)
+    final = torch.where(is_greedy, target_argmax[starts + node], drawn)
+    return _assemble(tokens, accepted, num_accepted, final)
+
+
+def _load_q(trees: PackedTrees, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse q of flattened `nodes` [m]: ids [m, K] (-1 pad) and weights [m, K] (0 pad)."""
+    row = trees.q_index[nodes]
+    if trees.q_token_ids.shape[0] == 0:
+        ids = torch.full((nodes.numel(), trees.q_token_ids.shape[1]), -1, device=nodes.device)
+        return ids, torch.zeros(ids.shape, device=nodes.device)
+    ids = torch.where((row >= 0)[:, None], trees.q_token_ids[row.clamp(min=0)], -1)
+    return ids, torch.where(ids >= 0, trees.q_probs[row.clamp(min=0)], 0.0)
+
+
+def _assemble(
+    tokens: torch.Tensor, accepted: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor
+) -> VerifyOutput:
+    batch, n = tokens.shape
+    output = torch.full((batch, n), -1, dtype=torch.int64, device=tokens.device)
+    output[:, : n - 1] = torch.where(accepted >= 0, tokens.gather(1, accepted.clamp(min=0)), -1)
+    output[torch.arange(batch, device=tokens.device), num_accepted] = final
+    return VerifyOutput(accepted, output, num_accepted + 1)
