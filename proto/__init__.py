@@ -1,1 +1,56 @@
-"""Outrider: proto."""
+"""Outrider's draft <-> target contract: `outrider.proto`, its stubs, typed mirrors, validation.
+
+    outrider.proto          the wire contract (package outrider.v1); stubs: `python -m proto.generate`
+    messages.py             target -> draft: SequenceUpdate and what it carries
+    tree.py                 draft -> target: CandidateTree
+    tensor.py               feature tensors as dtype + shape + bytes
+    handshake.py            the connect-time exchange and its compatibility check
+    validation.py           checks on every arriving tree (vectorised over the batch)
+    request_validation.py   checks on every arriving update
+
+This package imports nothing else from the repository (DESIGN.md, "Layout").
+"""
+
+from proto.errors import HandshakeMismatchError, InvalidDraftError
+from proto.handshake import (
+    PROTOCOL_VERSION,
+    FeatureSpec,
+    HandshakeRequest,
+    HandshakeResponse,
+    Limits,
+    check_handshake,
+    vocab_fingerprint,
+)
+from proto.messages import DraftRequest, SamplingParams, SequenceUpdate, TreeBudget
+from proto.request_validation import check_request, validate_update
+from proto.tensor import FEATURE_DTYPES, decode_tensor, encode_tensor
+from proto.tree import CandidateTree, DraftResponse, DraftSampling
+from proto.validation import PROB_TOLERANCE, check_trees, receive_trees, validate_tree
+
+__all__ = [
+    "FEATURE_DTYPES",
+    "PROB_TOLERANCE",
+    "PROTOCOL_VERSION",
+    "CandidateTree",
+    "DraftRequest",
+    "DraftResponse",
+    "DraftSampling",
+    "FeatureSpec",
+    "HandshakeMismatchError",
+    "HandshakeRequest",
+    "HandshakeResponse",
+    "InvalidDraftError",
+    "Limits",
+    "SamplingParams",
+    "SequenceUpdate",
+    "TreeBudget",
+    "check_handshake",
+    "check_request",
+    "check_trees",
+    "decode_tensor",
+    "encode_tensor",
+    "receive_trees",
+    "validate_tree",
+    "validate_update",
+    "vocab_fingerprint",
+]

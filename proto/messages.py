@@ -1,0 +1,159 @@
+"""Target -> draft: the per-sequence delta sent every round, mirrored from `outrider.proto`.
+
+Each round the target sends, per sequence, only what changed since the previous round: the
+tokens committed since then (the last of them is the root of the next tree), their target
+features when the drafter needs them, and what the drafter may propose (sampling params and
+a tree budget). `reset` replaces the delta by the full context when the drafter must
+re-sync (a new sequence, a drafter restart, a lost round).
+
+`from_proto` decodes without judging; `proto.validation.validate_update` judges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from proto import outrider_pb2 as pb
+from proto.tensor import decode_tensor, encode_tensor, repeated_to_tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The target's sampling settings; the drafter applies the same ones to build q."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0  # in (0, 1]; 1 = disabled
+    min_p: float = 0.0  # in [0, 1]; 0 = disabled
+    seed: int | None = None  # None = unseeded
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_proto(self) -> pb.SamplingParams:
+        return pb.SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed
+        )
+
+    @classmethod
+    def from_proto(cls, message: pb.SamplingParams) -> SamplingParams:
+        return cls(
+            temperature=message.temperature,
+            top_k=message.top_k,
+            top_p=message.top_p,
+            min_p=message.min_p,
+            seed=message.seed if message.HasField("seed") else None,
+        )
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """What one candidate tree may hold; always within the handshake's negotiated Limits."""
+
+    max_nodes: int  # nodes in the tree, root included; 1 = no draft tokens
+    max_depth: int  # draft tokens on any root-to-leaf path (the root is depth 0)
+    top_k: int  # children per node, and the width of each sparse q row
+
+    def to_proto(self) -> pb.TreeBudget:
+        return pb.TreeBudget(max_nodes=self.max_nodes, max_depth=self.max_depth, top_k=self.top_k)
+
+    @classmethod
+    def from_proto(cls, message: pb.TreeBudget) -> TreeBudget:
+        return cls(max_nodes=message.max_nodes, max_depth=message.max_depth, top_k=message.top_k)
+
+
+@dataclass
+class SequenceUpdate:
+    """One sequence's delta since the previous round (the whole context when `reset`)."""
+
+    seq_id: int
+    round: int  # the round whose tree the drafter should answer with
+    new_tokens: torch.Tensor  # [num_new_tokens] int64; the last one is the next tree's root
+    sampling: SamplingParams
+    budget: TreeBudget
+    # [num_new_tokens, feature_width] float32 | bfloat16 | float16; feature_width is
+    # FeatureSpec.width from the handshake. None when the drafter needs no features.
+    features: torch.Tensor | None = None
+    finished: bool = False  # the drafter may free this sequence's state
+    reset: bool = False  # new_tokens is the full context: drop cached state first
+
+    def to_proto(self) -> pb.SequenceUpdate:
+        message = pb.SequenceUpdate(
+            seq_id=self.seq_id,
+            round=self.round,
+            new_tokens=self.new_tokens.tolist(),
+            sampling=self.sampling.to_proto(),
+            budget=self.budget.to_proto(),
+            finished=self.finished,
+            reset=self.reset,
+        )
+        if self.features is not None:
+            message.features.CopyFrom(encode_tensor(self.features))
+        return message
+
+    @classmethod
+    def from_proto(cls, message: pb.SequenceUpdate, field: str = "update") -> SequenceUpdate:
+        """InvalidDraftError if the feature bytes don't match their header."""
+        features = None
+        if message.HasField("features"):
+            features = decode_tensor(message.features, f"{field}(seq_id={message.seq_id}).features")
+        return cls(
+            seq_id=message.seq_id,
+            round=message.round,
+            new_tokens=repeated_to_tensor(message.new_tokens, torch.int64),
+            sampling=SamplingParams.from_proto(message.sampling),
+            budget=TreeBudget.from_proto(message.budget),
+            features=features,
+            finished=message.finished,
+            reset=message.reset,
+        )
+
+    @classmethod
+    def make_dummy(
+        cls,
+        seq_id: int = 0,
+        round: int = 0,
+        num_new_tokens: int = 1,
+        *,
+        vocab_size: int = 32,
+        feature_width: int = 0,
+        feature_dtype: torch.dtype = torch.bfloat16,
+        sampling: SamplingParams | None = None,
+        budget: TreeBudget | None = None,
+        seed: int = 0,
+    ) -> SequenceUpdate:
+        """A valid random update for tests; `feature_width` 0 means no features."""
+        generator = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(vocab_size, (num_new_tokens,), generator=generator)
+        features = None
+        if feature_width:
+            features = torch.randn(num_new_tokens, feature_width, generator=generator).to(feature_dtype)
+        return cls(
+            seq_id=seq_id,
+            round=round,
+            new_tokens=tokens,
+            sampling=sampling or SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=seed),
+            budget=budget or TreeBudget(max_nodes=16, max_depth=4, top_k=4),
+            features=features,
+        )
+
+
+@dataclass
+class DraftRequest:
+    """One round's batch of updates, at most Limits.max_batch, one per seq_id."""
+
+    updates: list[SequenceUpdate] = field(default_factory=list)
+
+    def to_proto(self) -> pb.DraftRequest:
+        return pb.DraftRequest(updates=[update.to_proto() for update in self.updates])
+
+    @classmethod
+    def from_proto(cls, message: pb.DraftRequest) -> DraftRequest:
+        return cls(
+            updates=[
+                SequenceUpdate.from_proto(update, f"updates[{i}]") for i, update in enumerate(message.updates)
+            ]
+        )
