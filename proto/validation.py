@@ -49,7 +49,11 @@ def check_trees(
     *,
     prob_tolerance: float = PROB_TOLERANCE,
 ) -> list[InvalidDraftError | None]:
-    """For each tree, None if valid under its budget, else the error saying why."""
+    """For each tree, None if valid under its budget, else the error saying why.
+
+    Trees hold CPU tensors, as `CandidateTree.from_proto` makes them: this checks what came
+    off the wire, before anything is moved to a device.
+    """
     if len(trees) != len(budgets):
         raise ValueError(f"{len(trees)} trees but {len(budgets)} budgets")
     errors: list[InvalidDraftError | None] = [None] * len(trees)
