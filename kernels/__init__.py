@@ -10,7 +10,7 @@ from kernels.logits_processing import process_logits
 from kernels.packing import PackedTrees, pack_trees
 from kernels.spec_metrics import SpecDecodeCounters
 from kernels.tree_buffers import TreeBuffers, build_tree_buffers, tree_attention_mask
-from kernels.verify import VerifyOutput, VerifyRandoms, draw_verify_randoms, verify
+from kernels.verification import VerifyOutput, VerifyRandoms, draw_verify_randoms, verify
 
 __all__ = [
     "Backend",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.verify import VerifyOutput
+from kernels.verification import VerifyOutput
 
 
 @dataclass

@@ -94,7 +94,7 @@ def verify(
             torch.ones(trees.batch_size, 1, device=target_probs.device),
         )
     if use_triton(backend, target_probs.device):
-        from kernels.verify_triton import verify_triton
+        from kernels.verification_triton import verify_triton
 
         return verify_triton(trees, target_probs, is_greedy, randoms)
     return _verify_reference(trees, target_probs, is_greedy, randoms)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kernels.backend import next_power_of_2
 from kernels.packing import PackedTrees
-from kernels.verify import VerifyOutput, VerifyRandoms, _assemble
+from kernels.verification import VerifyOutput, VerifyRandoms, _assemble
 from proto.tree import DraftSampling
 
 
@@ -182,7 +182,7 @@ def _copy_row(src_ptr, dst_ptr, VOCAB, BLOCK_V: tl.constexpr):
 def verify_triton(
     trees: PackedTrees, target_probs: torch.Tensor, is_greedy: torch.Tensor, randoms: VerifyRandoms
 ) -> VerifyOutput:
-    """Same contract as `verify._verify_reference`."""
+    """Same contract as `verification._verify_reference`."""
     device, n = target_probs.device, trees.max_num_nodes
     batch, vocab = trees.batch_size, target_probs.shape[1]
     q_top_k = trees.q_token_ids.shape[1]
