@@ -1,0 +1,176 @@
+"""`outrider`: the one command-line entry point.
+
+Each subcommand is a function taking the parsed arguments; `build_parser` is the whole map.
+Heavy imports (torch, transformers) happen inside the subcommands so `outrider --help` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cluster.demo.recipe import DEFAULT_SIZE, RECIPES
+
+
+def _cmd_demo_build(args: argparse.Namespace) -> int:
+    from cluster.demo.family import ensure_demo_family, export_family
+
+    family = ensure_demo_family(args.size, seed=args.seed, force=args.force, progress=not args.quiet)
+    m = family.manifest
+    print(f"demo family {family.size!r} ready at {family.root}")
+    print(
+        f"  target: {m['target']['parameters']:,} parameters, held-out loss {m['target']['held_out_loss']:.3f} nats/token"
+    )
+    print(
+        f"  draft:  {m['draft']['parameters']:,} parameters, held-out loss {m['draft']['held_out_loss']:.3f}, "
+        f"greedy agreement {m['draft']['greedy_agreement_with_target']:.3f}"
+    )
+    if args.out:
+        print(f"copied to {export_family(family, Path(args.out))}")
+    return 0
+
+
+def _cmd_demo_info(args: argparse.Namespace) -> int:
+    from cluster.demo.family import CorruptCacheError, family_dir, recipe_for, verify_family
+
+    recipe = recipe_for(args.size, args.seed)
+    root = family_dir(recipe)
+    try:
+        family = verify_family(root, recipe)
+    except CorruptCacheError as e:
+        print(f"the {args.size!r} demo family is not built (or not usable): {e}", file=sys.stderr)
+        print(f"build it with: outrider demo build --size {args.size}", file=sys.stderr)
+        return 1
+    manifest = {k: v for k, v in family.manifest.items() if k != "files"}
+    print(json.dumps({"path": str(family.root), **manifest}, indent=2))
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from cluster.demo.family import ensure_demo_family
+
+        model_dir = ensure_demo_family(args.demo).target_dir
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    inputs = tokenizer(args.prompt, return_tensors="pt")
+    torch.manual_seed(args.seed)
+    sampling = (
+        {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
+    )
+    output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, **sampling)
+    print(tokenizer.decode(output[0], skip_special_tokens=True))
+    return 0
+
+
+def _cmd_check_install(args: argparse.Namespace) -> int:
+    import importlib.metadata
+
+    from cluster.import_guard import check_import_names
+
+    check_import_names()
+    for dist in ("outrider", "torch", "transformers", "ray", "grpcio", "protobuf", "tokenizers"):
+        try:
+            print(f"{dist:13} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            print(f"{dist:13} not installed", file=sys.stderr)
+            return 1
+    print("import names: proto, kernels, target_worker, draft_worker, cluster are Outrider's")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="outrider",
+        description="Outrider: speculative decoding with disaggregated draft and target workers.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = commands.add_parser(
+        "demo",
+        help="build or inspect the demo model family (trained here from the Python stdlib, no download)",
+        description="The demo family: a byte-level BPE tokenizer, a Llama-architecture target and a "
+        "small draft LM, trained on this interpreter's standard library source and cached under "
+        "$OUTRIDER_HOME (default ~/.cache/outrider).",
+    )
+    demo_commands = demo.add_subparsers(dest="demo_command", metavar="ACTION", required=True)
+    sizes = sorted(RECIPES)
+
+    build = demo_commands.add_parser(
+        "build",
+        help="train (or fetch from cache) the demo family",
+        description="Train the demo family, or return at once when a verified copy is cached. "
+        "`tiny` takes under a minute (for tests); `small` about 10 minutes on 2 CPU cores.",
+    )
+    build.add_argument(
+        "--size", choices=sizes, default=DEFAULT_SIZE, help="which recipe (default: %(default)s)"
+    )
+    build.add_argument(
+        "--out", metavar="DIR", help="also copy the finished family to DIR (must be empty or absent)"
+    )
+    build.add_argument(
+        "--seed", type=int, default=0, help="training seed; same seed, same weights (default: 0)"
+    )
+    build.add_argument("--force", action="store_true", help="rebuild even when a verified copy is cached")
+    build.add_argument("--quiet", action="store_true", help="no progress bars")
+    build.set_defaults(func=_cmd_demo_build)
+
+    info = demo_commands.add_parser(
+        "info",
+        help="print a cached family's path and manifest",
+        description="Print the manifest of a built family.",
+    )
+    info.add_argument(
+        "--size", choices=sizes, default=DEFAULT_SIZE, help="which recipe (default: %(default)s)"
+    )
+    info.add_argument("--seed", type=int, default=0, help="training seed (default: 0)")
+    info.set_defaults(func=_cmd_demo_info)
+
+    generate = commands.add_parser(
+        "generate",
+        help="generate from one prompt, without speculation (a smoke test of a model folder)",
+        description="Plain generation from one prompt with the `transformers` reference implementation. "
+        "Speculative serving is `outrider serve` (coming with the serving layer).",
+    )
+    source = generate.add_mutually_exclusive_group()
+    source.add_argument(
+        "--demo", choices=sizes, default=DEFAULT_SIZE, help="use the demo target (default: %(default)s)"
+    )
+    source.add_argument(
+        "--model", metavar="DIR", help="a Hugging Face model folder instead of the demo target"
+    )
+    generate.add_argument("--prompt", required=True, help="the prompt text")
+    generate.add_argument(
+        "--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)"
+    )
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    generate.set_defaults(func=_cmd_generate)
+
+    check = commands.add_parser(
+        "check-install",
+        help="check that Outrider's packages are the ones imported and list versions",
+        description="Fails when an unrelated package (e.g. proto-plus's `proto`) shadows one of Outrider's.",
+    )
+    check.set_defaults(func=_cmd_check_install)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

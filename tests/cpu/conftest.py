@@ -1,0 +1,37 @@
+"""Session-wide fixtures for the CPU suite.
+
+The tiny demo family is built once per test run into a temporary OUTRIDER_HOME and shared
+by every test that needs a real model (never built per test).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cluster.import_guard import check_import_names
+
+# Fail the whole run at once, with the reason, if an unrelated `proto`/`kernels` shadows ours.
+check_import_names()
+
+
+@pytest.fixture(scope="session")
+def outrider_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("outrider_home")
+    previous = os.environ.get("OUTRIDER_HOME")
+    os.environ["OUTRIDER_HOME"] = str(home)
+    yield home
+    if previous is None:
+        os.environ.pop("OUTRIDER_HOME", None)
+    else:
+        os.environ["OUTRIDER_HOME"] = previous
+
+
+@pytest.fixture(scope="session")
+def tiny_family(outrider_home: Path):
+    """The tiny demo family (tokenizer, target, draft), built once for the session."""
+    from cluster.demo.family import ensure_demo_family
+
+    return ensure_demo_family("tiny", home=outrider_home, progress=False, log=lambda _: None)
