@@ -52,7 +52,7 @@ def test_tokenizer_round_trips_held_out_files(tiny_family, files):
     assert len(tokenizer) == tiny_family.manifest["tokenizer"]["vocab_size"]
     texts = [f.text for f in held]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    for text, ids in zip(texts, encoded):
+    for text, ids in zip(texts, encoded, strict=True):
         assert tokenizer.decode(ids) == text
     # Byte-level: characters never seen in training still round-trip.
     odd = "naïve — ∑ 🐍\t\r\n"
