@@ -1,0 +1,141 @@
+"""The preallocated KV cache: one row pool, a contiguous extent per sequence.
+
+Layout (every buffer the architecture asks for; Llama: "k" and "v", each [H_kv_local, D]):
+
+    buffer[layer]:  [ rows: total_rows ][ *per_token_shape ]
+                      |-- seq 7 extent --|-- seq 2 extent ----|-- free --|-- seq 9 --|
+    seq extent:       | committed context | tree / scratch | unused until the seq grows |
+                      ^ start              ^ start + context_len
+
+A sequence is admitted with the most rows it can ever need (prompt + max new tokens + tree
+budget) and gets one contiguous extent, so its keys are a plain strided view for SDPA (no
+gather), row = start + absolute position (rollback = just overwrite), and committing an
+accepted tree path moves rows within the extent. A sequence that cannot get an extent is
+refused at admission (`CacheFullError`) instead of failing mid-generation.
+
+Why not paged: a paged layout packs memory tighter, but SDPA on CPU (and any non-paged
+attention) would then gather every sequence's blocks into a contiguous copy per layer per
+step, which is the overhead this runner exists to avoid. Extents give bounded memory and
+exact admission; their cost is external fragmentation, limited by first-fit with
+coalescing of freed neighbours. A paged pool can later replace `allocate` behind the same
+`cache_start` contract once a paged attention kernel exists.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from kernels.kv_compaction import compact_kv
+
+
+class CacheFullError(RuntimeError):
+    """Admission refused: the sequence does not fit in the KV cache."""
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What an architecture stores per token per layer, e.g. (("k", (2, 64)), ("v", (2, 64)))."""
+
+    num_layers: int
+    buffers: tuple[tuple[str, tuple[int, ...]], ...]
+    dtype: torch.dtype
+
+    def bytes_per_row(self) -> int:
+        elements = sum(int(torch.tensor(shape).prod()) for _, shape in self.buffers)
+        return elements * self.num_layers * torch.tensor([], dtype=self.dtype).element_size()
+
+
+class KVCache:
+    def __init__(self, spec: KVSpec, total_rows: int, device: torch.device | str = "cpu"):
+        self.spec, self.total_rows = spec, total_rows
+        self.buffers = {
+            name: torch.zeros(spec.num_layers, total_rows, *shape, dtype=spec.dtype, device=device)
+            for name, shape in spec.buffers
+        }  # name -> [L, total_rows, *shape]
+        names = [name for name, _ in spec.buffers]
+        # Per-layer views, built once: the forward indexes a tuple, not a dict, per layer.
+        self.layers = [tuple(self.buffers[n][layer] for n in names) for layer in range(spec.num_layers)]
+        self._free: list[tuple[int, int]] = [(0, total_rows)]  # sorted (start, length)
+        self._extents: dict[int, tuple[int, int]] = {}  # seq_id -> (start, length)
+        self._length_at: dict[int, int] = {}  # start -> length, for per-forward bounds checks
+
+    @staticmethod
+    def rows_for_budget(spec: KVSpec, budget_bytes: int) -> int:
+        """How many rows fit in `budget_bytes` of cache memory."""
+        return budget_bytes // spec.bytes_per_row()
+
+    def allocate(self, seq_id: int, num_rows: int) -> int:
+        """Reserves `num_rows` contiguous rows for `seq_id`; returns the extent's first row."""
+        if seq_id in self._extents:
+            raise ValueError(f"sequence {seq_id} already holds a KV extent")
+        if num_rows > self.total_rows:
+            raise CacheFullError(
+                f"sequence {seq_id} needs {num_rows} KV rows; the whole cache holds {self.total_rows}"
+            )
+        for i, (start, length) in enumerate(self._free):
+            if length >= num_rows:
+                if length == num_rows:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + num_rows, length - num_rows)
+                self._extents[seq_id] = (start, num_rows)
+                self._length_at[start] = num_rows
+                return start
+        raise CacheFullError(
+            f"sequence {seq_id} needs {num_rows} contiguous KV rows; {self.free_rows} of "
+            f"{self.total_rows} are free (largest hole {self.largest_free_extent}) "
+            f"across {len(self._extents)} admitted sequences"
+        )
+
+    def free(self, seq_id: int) -> None:
+        start, length = self._extents.pop(seq_id)
+        del self._length_at[start]
+        i = bisect.bisect(self._free, (start, length))
+        self._free.insert(i, (start, length))
+        # Coalesce with the right, then the left neighbour.
+        if i + 1 < len(self._free) and start + length == self._free[i + 1][0]:
+            length += self._free.pop(i + 1)[1]
+            self._free[i] = (start, length)
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:
+            prev_start, prev_length = self._free.pop(i - 1)
+            self._free[i - 1] = (prev_start, prev_length + length)
+
+    def extent(self, seq_id: int) -> tuple[int, int]:
+        """(start, length) of the sequence's rows."""
+        return self._extents[seq_id]
+
+    @property
+    def free_rows(self) -> int:
+        return sum(length for _, length in self._free)
+
+    @property
+    def largest_free_extent(self) -> int:
+        return max((length for _, length in self._free), default=0)
+
+    def check_rows(self, kv_starts: tuple[int, ...], kv_lens: tuple[int, ...]) -> None:
+        """Refuses a batch that would read or write past a sequence's extent."""
+        for start, kv_len in zip(kv_starts, kv_lens, strict=True):
+            length = self._length_at.get(start)
+            if length is None:
+                raise ValueError(f"no sequence holds a KV extent starting at row {start}")
+            if kv_len > length:
+                raise ValueError(
+                    f"sequence at KV row {start} needs {kv_len} rows but was admitted with {length}"
+                )
+
+    def commit_paths(
+        self,
+        accepted_node_ids: torch.Tensor,  # [B, max_accepted] int64; accepted local nodes after the root, -1 pad
+        root_rows: torch.Tensor,  # [B] int64; cache row of each tree's root (extent start + context_len)
+    ) -> None:
+        """After verification: move each accepted path's K/V rows to follow its root.
+
+        The root and the path then occupy rows root .. root + accepted, exactly what a plain
+        forward of those tokens would have written; rows past them are stale and are
+        overwritten by the next forward (rollback by position, no clearing).
+        """
+        for buffer in self.buffers.values():
+            compact_kv(buffer, accepted_node_ids, root_rows, slot_dim=1)

@@ -1,0 +1,1 @@
+"""Building blocks shared by the architecture files: norms, RoPE, parallel linears, attention."""
