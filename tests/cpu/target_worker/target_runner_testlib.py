@@ -128,3 +128,26 @@ def reference_logits(model, sequence: list[int]) -> torch.Tensor:
     """transformers' logits [V] at the last position of a plain forward of `sequence`."""
     with torch.no_grad():
         return model(torch.tensor([sequence])).logits[0, -1]
+
+
+def tp_rank_check(tp, checkpoint_paths: list[str], atol: float) -> None:
+    """Runs in each TP rank: the sharded runner's scenario logits equal an unsharded runner's."""
+    from target_worker.runner import ModelRunner
+
+    for path in checkpoint_paths:
+        sharded = ModelRunner.from_pretrained(path, max_model_len=64, tp=tp)
+        single = ModelRunner.from_pretrained(path, max_model_len=64)
+        # Really sharded: this rank holds half the fused MLP columns.
+        assert (
+            sharded.model.blocks[0].gate_up.weight_t.shape[1] * 2
+            == single.model.blocks[0].gate_up.weight_t.shape[1]
+        )
+        vocab_size = single.model.vocab_size
+        ours = run_scenario(sharded, vocab_size, capture=HiddenCapture(layer_inputs=(1,), final=True))
+        reference = run_scenario(single, vocab_size, capture=HiddenCapture(layer_inputs=(1,), final=True))
+        for step, (a, b) in enumerate(zip(ours.outputs, reference.outputs, strict=True)):
+            where = f"rank {tp.rank}, {path}, step {step}"
+            assert a.logits.shape == b.logits.shape, where
+            assert (a.logits - b.logits).abs().max() <= atol, where
+            assert (a.final_hidden - b.final_hidden).abs().max() <= atol, where
+            assert (a.layer_inputs[1] - b.layer_inputs[1]).abs().max() <= atol, where

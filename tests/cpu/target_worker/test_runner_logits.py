@@ -53,15 +53,17 @@ def test_captured_hidden_states_match_transformers(family, checkpoints, runners)
 
 
 def test_bf16_runner_close_to_transformers_bf16(tmp_path):
+    import transformers
     from target_runner_testlib import save_random_checkpoint
 
-    model = save_random_checkpoint(tmp_path, "qwen3", dtype=torch.bfloat16)
+    save_random_checkpoint(tmp_path, "qwen3", dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     runner = ModelRunner.from_pretrained(tmp_path, max_model_len=32)
     assert runner.model.dtype == torch.bfloat16  # the checkpoint's dtype by default
     ids = torch.randint(0, 97, (8,), generator=torch.Generator().manual_seed(1))
     start = runner.cache.allocate(0, 32)
     ours = runner.forward(build_forward_batch([SequenceChunk(start, 0, ids, all_logits=True)])).logits
     with torch.no_grad():
-        theirs = model.to(torch.bfloat16)(ids[None]).logits[0]
+        theirs = model(ids[None]).logits[0]
     scale = theirs.float().abs().max()
     assert (ours.float() - theirs.float()).abs().max() <= 0.05 * scale
