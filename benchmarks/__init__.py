@@ -1,0 +1,1 @@
+"""Outrider's benchmark harness: rerunnable scripts that write JSON + Markdown reports to results/."""
