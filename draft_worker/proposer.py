@@ -1,0 +1,161 @@
+"""The proposer interface every drafting method implements, and the registry that names them.
+
+One round for a batch of sequences:
+
+    trees = proposer.propose(updates)     # list[SequenceUpdate] -> list[CandidateTree]
+
+`propose` applies each update's lifecycle to the proposer's per-sequence state and then
+drafts for all live sequences at once:
+
+    finished  absorb the last tokens, `retire` the state (e.g. into a cross-request cache), drop it
+    reset     drop the state and start again from new_tokens, which is then the whole context
+    unknown   a new sequence: new_tokens is its context so far
+    otherwise `extend` the state with the delta (new tokens, target features)
+
+A method subclasses `Proposer`, declares its method-specific config keys as an `Options`
+dataclass and what it needs from the target as a `FeatureSpec`, and registers under its
+vLLM `speculative_config` method name:
+
+    @register_proposer("ngram")
+    class NgramProposer(Proposer[NgramState]): ...
+
+    proposer = build_proposer({"method": "ngram", "num_speculative_tokens": 4}, vocab_size=V)
+
+Model-based proposers draft through `tree_builder.build_trees`, which needs one batched
+`logits_fn` from them; see that module.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+from draft_worker.config import SpeculativeConfig
+from proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate, TreeBudget
+
+StateT = TypeVar("StateT")
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """For methods without keys of their own."""
+
+
+class Proposer(abc.ABC, Generic[StateT]):
+    method: ClassVar[str] = ""  # set by @register_proposer
+    Options: ClassVar[type] = NoOptions  # the method's own config keys, as dataclass fields
+    default_num_speculative_tokens: ClassVar[int | None] = None  # None: the key is required
+
+    def __init__(self, config: SpeculativeConfig, *, vocab_size: int, device: torch.device | str = "cpu"):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._states: dict[int, StateT] = {}
+
+    @property
+    def feature_spec(self) -> FeatureSpec:
+        """What the target must send with each new token; the default is nothing."""
+        return FeatureSpec()
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences whose draft state is held."""
+        return len(self._states)
+
+    def propose(self, updates: Sequence[SequenceUpdate]) -> list[CandidateTree]:
+        """One tree per update that is not `finished`, in the order of `updates`."""
+        live: list[SequenceUpdate] = []
+        states: list[StateT] = []
+        for update in updates:
+            if update.finished:
+                state = self._states.pop(update.seq_id, None)
+                if state is not None:
+                    self.extend(state, update)
+                    self.retire(state)
+                continue
+            state = None if update.reset else self._states.get(update.seq_id)
+            if state is None:
+                state = self.new_state(update)
+                self._states[update.seq_id] = state
+            self.extend(state, update)
+            live.append(update)
+            states.append(state)
+        return self.draft(live, states) if live else []
+
+    def budget(self, update: SequenceUpdate) -> TreeBudget:
+        """This round's budget, never past the tree shape this drafter was configured for."""
+        ours, theirs = self.config.budget, update.budget
+        return TreeBudget(
+            max_nodes=min(ours.max_nodes, theirs.max_nodes),
+            max_depth=min(ours.max_depth, theirs.max_depth),
+            top_k=min(ours.top_k, theirs.top_k),
+        )
+
+    @abc.abstractmethod
+    def new_state(self, update: SequenceUpdate) -> StateT:
+        """Empty state for a new (or re-synced) sequence; `extend` then absorbs new_tokens."""
+
+    @abc.abstractmethod
+    def extend(self, state: StateT, update: SequenceUpdate) -> None:
+        """Absorb the update's new tokens (and features) into the sequence's state."""
+
+    def retire(self, state: StateT) -> None:  # noqa: B027 - most methods keep nothing past a sequence
+        """Called once when a sequence finishes, before its state is dropped."""
+
+    @abc.abstractmethod
+    def draft(self, updates: Sequence[SequenceUpdate], states: Sequence[StateT]) -> list[CandidateTree]:
+        """One tree per update, for the whole batch at once; states are already extended."""
+
+
+def root_only_tree(update: SequenceUpdate) -> CandidateTree:
+    """No draft tokens: the target decodes one token for this sequence this round."""
+    return CandidateTree(
+        seq_id=update.seq_id,
+        round=update.round,
+        tokens=update.new_tokens[-1:].to(torch.int64).cpu(),
+        parents=torch.tensor([-1], dtype=torch.int64),
+        q_nodes=torch.empty(0, dtype=torch.int64),
+        q_token_ids=torch.empty(0, 0, dtype=torch.int64),
+        q_probs=torch.empty(0, 0, dtype=torch.float32),
+        sampling=DraftSampling.DETERMINISTIC,
+    )
+
+
+_PROPOSERS: dict[str, type[Proposer]] = {}
+
+P = TypeVar("P", bound=type[Proposer])
+
+
+def register_proposer(method: str) -> Callable[[P], P]:
+    """Class decorator: make a proposer buildable under `method` (vLLM's method name)."""
+
+    def register(cls: P) -> P:
+        if method in _PROPOSERS:
+            raise ValueError(f"speculative method {method!r} is already registered by {_PROPOSERS[method]}")
+        cls.method = method
+        _PROPOSERS[method] = cls
+        return cls
+
+    return register
+
+
+def known_methods() -> list[str]:
+    return sorted(_PROPOSERS)
+
+
+def build_proposer(
+    config: Mapping[str, Any], *, vocab_size: int, device: torch.device | str = "cpu"
+) -> Proposer:
+    """A proposer from a vLLM-style speculative config dict (see `draft_worker.config`)."""
+    method = config.get("method")
+    if method not in _PROPOSERS:
+        raise ValueError(
+            f"unknown speculative method {method!r}; known methods: {', '.join(known_methods())}"
+        )
+    cls = _PROPOSERS[method]
+    parsed = SpeculativeConfig.from_dict(config, cls.Options, cls.default_num_speculative_tokens)
+    return cls(parsed, vocab_size=vocab_size, device=device)
