@@ -27,11 +27,23 @@ class Linear:
         self.weight_t = weight.t().contiguous()  # [in_local, out_local]
         self.bias = bias  # [out_local] or None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, in_local] -> [T, out_local]."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, in_local] -> [T, out_local], plus `residual` [T, out_local] if given.
+
+        Folding the residual add into the matmul (`addmm`) saves an op and a temporary per
+        block half; under TP only rank 0 passes the residual, so the all-reduced sum holds it once.
+        """
+        if residual is not None:
+            out = torch.addmm(residual, x, self.weight_t)
+            return out if self.bias is None else out.add_(self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
+
+    def scaled(self, x: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+        """(x @ W) * row_scale [T, 1] + bias: a linear whose input norm is folded in (`layers.norm`)."""
+        out = torch.mm(x, self.weight_t).mul_(row_scale)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 def read_column(
@@ -83,9 +95,9 @@ class VocabParallelHead:
         self.weight_t = F.pad(weight, (0, 0, 0, pad)).t().contiguous()  # [H, per_rank]
         self.vocab_size, self.tp = vocab_size, tp
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, H] -> [R, V] full-vocabulary logits on every rank."""
-        logits = torch.mm(hidden, self.weight_t)
+    def __call__(self, hidden: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+        """[R, H] un-normalised rows and their `rms_scale` [R, 1] -> [R, V] logits on every rank."""
+        logits = torch.mm(hidden, self.weight_t).mul_(row_scale)
         if self.tp.world_size == 1:
             return logits
         return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]

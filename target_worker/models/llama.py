@@ -5,6 +5,9 @@ One pre-norm decoder block, differing only in config switches read from config.j
     h = h + o(attn(rope(norm_qk(split(qkv(norm(h)))))))      all-reduce after o
     h = h + down(silu(gate(x)) * up(x)), x = norm(h)         all-reduce after down
 
+Each norm is folded into the matmul after it (`layers.norm`), and each residual add into
+the matmul before it (`addmm(h, ., W)`, on rank 0 only under TP).
+
 Weights are fused at load (q|k|v -> qkv, gate|up -> gate_up) and sliced for this TP rank;
 q and k rows are permuted per head for the interleaved RoPE of `layers.rope`.
 """
@@ -27,7 +30,7 @@ from target_worker.layers.linear import (
     read_column,
     read_row,
 )
-from target_worker.layers.norm import RMSNorm
+from target_worker.layers.norm import RMSNorm, fold_norm, rms_scale
 from target_worker.layers.rope import RotaryEmbedding, interleave_rotary_rows, rope_parameters_of
 from target_worker.loader import CheckpointError, CheckpointReader
 from target_worker.models.registry import register_architecture
@@ -99,8 +102,14 @@ class LlamaBlock:
                 ),
             ]
         )
+        eps = self.eps = cfg.rms_norm_eps
+        input_norm = reader.read(p + "input_layernorm.weight", dtype).to(device)
+        post_norm = reader.read(p + "post_attention_layernorm.weight", dtype).to(device)
         self.qkv = Linear(
-            read_column(reader, [(n + ".weight", a, b) for n, a, b in qkv], dtype, device)[rows],
+            fold_norm(
+                read_column(reader, [(n + ".weight", a, b) for n, a, b in qkv], dtype, device)[rows],
+                input_norm,
+            ),
             read_column(reader, [(n + ".bias", a, b) for n, a, b in qkv], dtype, device)[rows]
             if cfg.qkv_bias
             else None,
@@ -113,7 +122,9 @@ class LlamaBlock:
         )
         mlp = [(p + "mlp.gate_proj", i0, i1), (p + "mlp.up_proj", i0, i1)]
         self.gate_up = Linear(
-            read_column(reader, [(n + ".weight", a, b) for n, a, b in mlp], dtype, device),
+            fold_norm(
+                read_column(reader, [(n + ".weight", a, b) for n, a, b in mlp], dtype, device), post_norm
+            ),
             read_column(reader, [(n + ".bias", a, b) for n, a, b in mlp], dtype, device)
             if cfg.mlp_bias
             else None,
@@ -123,9 +134,6 @@ class LlamaBlock:
             read_row(reader, p + "mlp.down_proj.weight", i0, i1, dtype, device),
             down_bias if tp.rank == 0 else None,
         )
-        eps = cfg.rms_norm_eps
-        self.input_norm = RMSNorm(reader.read(p + "input_layernorm.weight", dtype).to(device), eps)
-        self.post_norm = RMSNorm(reader.read(p + "post_attention_layernorm.weight", dtype).to(device), eps)
         self.qk_norm = None
         if cfg.qk_norm:
             # Per-head RMSNorm of q and k in one call: queries then keys, each [D] weight repeated per head.
@@ -143,26 +151,20 @@ class LlamaBlock:
         kv: tuple[torch.Tensor, torch.Tensor],  # k, v: [rows, H_kv, D]
     ) -> torch.Tensor:
         t, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(self.input_norm(h))  # [T, (H_q + 2 H_kv) D]
+        qkv = self.qkv.scaled(h, rms_scale(h, self.eps))  # [T, (H_q + 2 H_kv) D], input norm folded in
         qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
         if self.qk_norm is not None:
-            qk = _per_head_norm(qk, self.qk_norm)
+            qk = self.qk_norm(qk)
         qk = RotaryEmbedding.apply(qk, rotation)
         k_cache, v_cache = kv
         k_cache.index_copy_(0, rows, qk[:, hq:])
         v_cache.index_copy_(0, rows, qkv[:, (hq + hkv) * d :].view(t, hkv, d))
         attn = ragged_attention(qk[:, :hq], k_cache, v_cache, plan)  # [T, H_q, D]
-        h = h + self.tp.all_reduce(self.o(attn.reshape(t, hq * d)))
-        gate_up = self.gate_up(self.post_norm(h))  # [T, 2 I]
+        residual = h if self.tp.rank == 0 else None  # added once across ranks
+        h = self.tp.all_reduce(self.o(attn.reshape(t, hq * d), residual))
+        gate_up = self.gate_up.scaled(h, rms_scale(h, self.eps))  # [T, 2 I], post-attention norm folded in
         act = F.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn :]
-        return h + self.tp.all_reduce(self.down(act))
-
-
-def _per_head_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-    """RMSNorm over the head dim with a per-(head, dim) weight [H, D]."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, norm.shape, None, norm.eps) * norm.weight
-    return norm.weight * F.rms_norm(x.float(), norm.shape, None, norm.eps).to(x.dtype)
+        return self.tp.all_reduce(self.down(act, h if self.tp.rank == 0 else None))
 
 
 @register_architecture(
@@ -184,11 +186,16 @@ class LlamaFamilyModel:
         v0, v1, per_rank = tp.padded_range(cfg.vocab_size)
         embed = reader.read("model.embed_tokens.weight", dtype, dim=0, start=v0, stop=v1).to(device)
         self.embed = VocabParallelEmbedding(embed, v0, v1, tp)
-        head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        head = embed if cfg.tie_word_embeddings else reader.read(head_name, dtype, dim=0, start=v0, stop=v1)
-        self.head = VocabParallelHead(head.to(device), per_rank, cfg.vocab_size, tp)
-        self.blocks = [LlamaBlock(reader, i, cfg, tp, dtype, device) for i in range(cfg.num_layers)]
+        head = (
+            embed
+            if cfg.tie_word_embeddings
+            else reader.read("lm_head.weight", dtype, dim=0, start=v0, stop=v1)
+        )
         self.norm = RMSNorm(reader.read("model.norm.weight", dtype).to(device), cfg.rms_norm_eps)
+        self.head = VocabParallelHead(
+            fold_norm(head.to(device), self.norm.weight), per_rank, cfg.vocab_size, tp
+        )
+        self.blocks = [LlamaBlock(reader, i, cfg, tp, dtype, device) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, device)
 
     @classmethod
@@ -218,10 +225,9 @@ class LlamaFamilyModel:
             if i in capture.layer_inputs:
                 layer_inputs[i] = h
             h = block(h, rotation, batch.cache_rows, plan, kv)
-        h = self.norm(h)
         rows = h if batch.logits_rows is None else h[batch.logits_rows]
         return ForwardOutput(
-            logits=self.head(rows),
-            final_hidden=h if capture.final else None,
+            logits=self.head(rows, rms_scale(rows, self.cfg.rms_norm_eps)),  # final norm folded in
+            final_hidden=self.norm(h) if capture.final else None,
             layer_inputs=layer_inputs,
         )

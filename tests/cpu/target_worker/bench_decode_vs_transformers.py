@@ -4,7 +4,7 @@ Not a test (timings are not asserted): run by hand,
 
     .venv/bin/python tests/cpu/target_worker/bench_decode_vs_transformers.py [--threads 1]
 
-Random ~20M-parameter Llama (hidden 384, 6 layers, vocab 8192), fp32, a 128-token prompt,
+Random Llama (default: hidden 384, 6 layers, vocab 8192, 16M parameters), fp32, a 128-token prompt,
 then 1-token decode steps timed in interleaved rounds so machine drift hits both alike.
 """
 
@@ -28,15 +28,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=6)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=8192,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
         num_key_value_heads=2,
         max_position_embeddings=1024,
     )
@@ -60,11 +62,11 @@ def main() -> None:
     @torch.inference_mode()
     def theirs(steps: int) -> float:
         cache = transformers.DynamicCache(config=config)
-        out = ref(input_ids=prompt[None], past_key_values=cache, use_cache=True)
+        out = ref(input_ids=prompt[None], cache=cache, use_cache=True)
         token = out.logits[0, -1].argmax()
         t0 = time.perf_counter()
         for _ in range(steps):
-            out = ref(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True)
+            out = ref(input_ids=token.view(1, 1), cache=cache, use_cache=True)
             token = out.logits[0, -1].argmax()
         return (time.perf_counter() - t0) / steps * 1e3
 
