@@ -101,8 +101,8 @@ def test_suffix_proposes_most_frequent_continuations_as_a_tree():
     assert tree.tokens.tolist() == [2, 3, 5, 4, 6, 7]
     assert tree.parents.tolist() == [-1, 0, 1, 0, 1, 3]
     assert tree.q_nodes.tolist() == [0, 1, 3]
-    assert tree.q_token_ids.tolist() == [[3, 4, -1], [5, 6, -1], [7, -1, -1]]
-    expected_q = torch.tensor([[0.75, 0.25, 0.0], [2 / 3, 1 / 3, 0.0], [1.0, 0.0, 0.0]])
+    assert tree.q_token_ids.tolist() == [[3, 4], [5, 6], [7, -1]]  # as wide as the widest row
+    expected_q = torch.tensor([[0.75, 0.25], [2 / 3, 1 / 3], [1.0, 0.0]])
     torch.testing.assert_close(tree.q_probs, expected_q)
 
 
