@@ -90,7 +90,9 @@ def mixed_updates(
     ]
 
 
-def assert_valid(trees: Sequence[CandidateTree], updates: Sequence[SequenceUpdate], vocab: int = VOCAB) -> None:
+def assert_valid(
+    trees: Sequence[CandidateTree], updates: Sequence[SequenceUpdate], vocab: int = VOCAB
+) -> None:
     """Every tree answers its update and passes proto validation against its budget."""
     assert [t.seq_id for t in trees] == [u.seq_id for u in updates]
     assert [t.round for t in trees] == [u.round for u in updates]

@@ -73,20 +73,30 @@ def test_mixed_batch_gives_valid_trees(method):
     proposer = build_proposer(config, vocab_size=VOCAB)
     # Contexts over 3 tokens repeat, so most sequences find matches.
     updates = [
-        SequenceUpdate(u.seq_id, 0, u.new_tokens % 3, u.sampling, u.budget) for u in mixed_updates(budgets, samplings)
+        SequenceUpdate(u.seq_id, 0, u.new_tokens % 3, u.sampling, u.budget)
+        for u in mixed_updates(budgets, samplings)
     ]
     for round in range(3):
         trees = proposer.propose(updates)
         assert_valid(trees, updates)
         assert all(t.sampling == DraftSampling.DETERMINISTIC for t in trees)
         assert sum(t.num_nodes > 1 for t in trees) >= 6
-        updates = [SequenceUpdate(u.seq_id, round + 1, torch.tensor([round % 3]), u.sampling, u.budget) for u in updates]
+        updates = [
+            SequenceUpdate(u.seq_id, round + 1, torch.tensor([round % 3]), u.sampling, u.budget)
+            for u in updates
+        ]
 
 
-def suffix_tree(context, budget=TreeBudget(8, 4, 3), **options):
-    config = {"method": "suffix", "num_speculative_tokens": 8, "tree_top_k": 3, "tree_max_nodes": 8, **options}
+def suffix_tree(context, budget=None, **options):
+    config = {
+        "method": "suffix",
+        "num_speculative_tokens": 8,
+        "tree_top_k": 3,
+        "tree_max_nodes": 8,
+        **options,
+    }
     proposer = build_proposer(config, vocab_size=VOCAB)
-    update = SequenceUpdate(0, 0, torch.tensor(context), SamplingParams(), budget)
+    update = SequenceUpdate(0, 0, torch.tensor(context), SamplingParams(), budget or TreeBudget(8, 4, 3))
     (tree,) = proposer.propose([update])
     assert_valid([tree], [update])
     return proposer, tree
@@ -96,7 +106,9 @@ def test_suffix_proposes_most_frequent_continuations_as_a_tree():
     # "1 2" was followed by 3 three times and by 4 once; "1 2 3" by 5 twice and 6 once; "1 2 4" by 7.
     context = [1, 2, 3, 5, 1, 2, 3, 5, 1, 2, 4, 7, 1, 2, 3, 6, 0, 1, 2]
     shallow = TreeBudget(max_nodes=8, max_depth=2, top_k=3)
-    _, tree = suffix_tree(context, shallow, suffix_decoding_min_token_prob=0.2, suffix_decoding_max_spec_factor=3.0)
+    _, tree = suffix_tree(
+        context, shallow, suffix_decoding_min_token_prob=0.2, suffix_decoding_max_spec_factor=3.0
+    )
     # Best first: 3 (.75), 5 (.5), 4 (.25), 6 (.25), 4 -> 7 (.25); depth 2 stops 5 -> 1.
     assert tree.tokens.tolist() == [2, 3, 5, 4, 6, 7]
     assert tree.parents.tolist() == [-1, 0, 1, 0, 1, 3]
@@ -109,7 +121,9 @@ def test_suffix_proposes_most_frequent_continuations_as_a_tree():
 def test_suffix_min_prob_and_spec_factor_prune():
     context = [1, 2, 3, 5, 1, 2, 3, 5, 1, 2, 4, 7, 1, 2, 3, 6, 0, 1, 2]
     shallow = TreeBudget(max_nodes=8, max_depth=2, top_k=3)
-    _, tree = suffix_tree(context, shallow, suffix_decoding_min_token_prob=0.4, suffix_decoding_max_spec_factor=3.0)
+    _, tree = suffix_tree(
+        context, shallow, suffix_decoding_min_token_prob=0.4, suffix_decoding_max_spec_factor=3.0
+    )
     assert tree.tokens.tolist() == [2, 3, 5]  # 4 (0.25) and 3 -> 6 (0.25) fall below 0.4
     _, tree = suffix_tree(context, suffix_decoding_min_token_prob=0.0, suffix_decoding_max_spec_factor=0.5)
     assert tree.num_nodes == 2  # match "1 2" (length 2) * 0.5 = one draft token
@@ -141,6 +155,8 @@ def test_trie_remove_undoes_add():
     reference.add_stream([2, 3, 4])
 
     def dump(node, path=()):
-        return {path: node.count} | {k: v for t, c in node.children.items() for k, v in dump(c, (*path, t)).items()}
+        return {path: node.count} | {
+            k: v for t, c in node.children.items() for k, v in dump(c, (*path, t)).items()
+        }
 
     assert dump(trie.root) == dump(reference.root)

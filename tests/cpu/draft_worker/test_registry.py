@@ -31,7 +31,9 @@ def test_unknown_method_lists_known_ones():
 
 def test_unknown_key_names_accepted_keys():
     with pytest.raises(ValueError, match=r"unknown keys \['prompt_lookup_maximum'\].*prompt_lookup_max"):
-        build_proposer({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_maximum": 4}, vocab_size=VOCAB)
+        build_proposer(
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_maximum": 4}, vocab_size=VOCAB
+        )
 
 
 @pytest.mark.parametrize(

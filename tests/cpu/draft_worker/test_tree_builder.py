@@ -34,7 +34,10 @@ def table_from_probs(rows: dict[int, dict[int, float]], vocab: int = 6) -> torch
 
 
 def greedy_trees(table, roots, budgets):
-    updates = [SequenceUpdate(i, 0, torch.tensor([r]), GREEDY, b) for i, (r, b) in enumerate(zip(roots, budgets))]
+    updates = [
+        SequenceUpdate(i, 0, torch.tensor([r]), GREEDY, b)
+        for i, (r, b) in enumerate(zip(roots, budgets, strict=True))
+    ]
     trees = build_trees(
         updates,
         budgets,
@@ -58,7 +61,9 @@ def test_hand_built_logits_give_the_known_top_n_tree():
     assert tree_large.sampling == DraftSampling.DETERMINISTIC
     # q rows: the top-k softmax of each expanded node, children within them.
     assert tree_large.q_nodes.tolist() == [0, 1, 2]
-    torch.testing.assert_close(tree_large.q_probs, torch.tensor([[0.5, 0.3], [0.7, 0.3], [0.9, 0.1]]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        tree_large.q_probs, torch.tensor([[0.5, 0.3], [0.7, 0.3], [0.9, 0.1]]), atol=1e-4, rtol=0
+    )
 
 
 def reference_eagle2(probs: torch.Tensor, root: int, budget: TreeBudget) -> dict[tuple[int, ...], float]:
@@ -77,7 +82,9 @@ def reference_eagle2(probs: torch.Tensor, root: int, budget: TreeBudget) -> dict
     return dict(sorted(candidates.items(), key=lambda kv: -kv[1])[: budget.max_nodes - 1])
 
 
-@pytest.mark.parametrize("budget", [TreeBudget(16, 4, 3), TreeBudget(9, 8, 1), TreeBudget(24, 5, 4), TreeBudget(3, 1, 4)])
+@pytest.mark.parametrize(
+    "budget", [TreeBudget(16, 4, 3), TreeBudget(9, 8, 1), TreeBudget(24, 5, 4), TreeBudget(3, 1, 4)]
+)
 def test_greedy_trees_match_a_plain_eagle2(budget):
     table = bigram_table(seed=3)
     roots = [0, 5, 7]
@@ -93,8 +100,20 @@ def test_greedy_trees_match_a_plain_eagle2(budget):
 
 def test_mixed_batch_budgets_and_per_round_changes():
     proposer = bigram(tree_top_k=4, depth=5, nodes=20)
-    budgets = [TreeBudget(20, 5, 4), TreeBudget(6, 2, 3), TreeBudget(1, 5, 4), TreeBudget(8, 5, 1), TreeBudget(12, 3, 0)]
-    samplings = [GREEDY, SamplingParams(1.0, seed=1), SamplingParams(0.7, top_k=5), GREEDY, SamplingParams(0.9, top_p=0.8)]
+    budgets = [
+        TreeBudget(20, 5, 4),
+        TreeBudget(6, 2, 3),
+        TreeBudget(1, 5, 4),
+        TreeBudget(8, 5, 1),
+        TreeBudget(12, 3, 0),
+    ]
+    samplings = [
+        GREEDY,
+        SamplingParams(1.0, seed=1),
+        SamplingParams(0.7, top_k=5),
+        GREEDY,
+        SamplingParams(0.9, top_p=0.8),
+    ]
     updates = mixed_updates(budgets, samplings)
     trees = proposer.propose(updates)
     assert_valid(trees, updates)
@@ -102,7 +121,10 @@ def test_mixed_batch_budgets_and_per_round_changes():
     assert max(depths(trees[3].parents)) == 5  # top_k = 1: a chain of 5
     # The engine shrinks every budget next round (heavier load): trees shrink with it.
     smaller = [TreeBudget(4, 2, 2)] * len(updates)
-    updates = [SequenceUpdate(u.seq_id, 1, torch.tensor([3]), u.sampling, b) for u, b in zip(updates, smaller)]
+    updates = [
+        SequenceUpdate(u.seq_id, 1, torch.tensor([3]), u.sampling, b)
+        for u, b in zip(updates, smaller, strict=True)
+    ]
     trees = proposer.propose(updates)
     assert_valid(trees, updates)
     assert all(t.num_nodes == 4 and max(depths(t.parents)) <= 2 for t in trees)
@@ -118,7 +140,7 @@ def test_frontier_calls_are_batched_and_consistent():
     assert (calls[0].parent_row == -1).all()
     roots = torch.stack([u.new_tokens[-1] for u in updates])
     assert torch.equal(calls[0].paths[:, 0], roots[calls[0].seq_index])
-    for previous, call in zip(calls, calls[1:]):
+    for previous, call in zip(calls, calls[1:], strict=False):
         assert torch.equal(call.paths[:, :-1], previous.paths[call.parent_row])
         assert torch.equal(call.seq_index, previous.seq_index[call.parent_row])
     for call in calls:
@@ -158,7 +180,9 @@ def test_sampled_children_follow_the_stated_q(mode):
     expected = process_logits(proposer.table[2:3], torch.tensor([0.8]), None, torch.tensor([0.95]))[0]
     top = expected.topk(4)
     q = torch.zeros(VOCAB).scatter(0, top.indices, top.values / top.values.sum())
-    assert torch.allclose(trees[0].q_probs[0].sort(descending=True).values, q.sort(descending=True).values[:4])
+    assert torch.allclose(
+        trees[0].q_probs[0].sort(descending=True).values, q.sort(descending=True).values[:4]
+    )
     assert all(t.sampling == mode for t in trees)
     children = torch.stack([t.tokens[1:3] for t in trees])  # [NUM_DRAWS, 2]
     first = torch.bincount(children[:, 0], minlength=VOCAB) / NUM_DRAWS
