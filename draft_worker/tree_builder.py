@@ -11,7 +11,8 @@ top_k k, per sequence and per round):
     expand   each frontier node's q = process_logits(logits) gets k children; a child's score
              V is its parent's V times its sibling weight (below)
     select   the next frontier = the k best new nodes of each sequence (by V), whose logits
-             come from one logits_fn call for the whole batch
+             come from one logits_fn call for the whole batch; a node already outranked by
+             N - 1 others is not expanded (no descendant of it could make the cut)
     rerank   after depth D: the N - 1 best nodes of all depths, which are prefix-closed
              because V never grows along a path; sorted by depth so parents precede children
 
@@ -149,6 +150,7 @@ def build_trees(
         num_candidates += children.seq.shape[0]
         rank = _rank_within_sequence(children.seq, batch, children.score, children.order)
         chosen = (rank < top_k[children.seq]) & (depth + 1 < max_depth[children.seq])
+        chosen &= children.score > _cutoff(levels, batch, max_drafts)[children.seq]
         if not bool(chosen.any()):
             break
         picked = chosen.nonzero().squeeze(1)
@@ -249,6 +251,22 @@ def _draw_uniforms(
             k, d = budget.top_k, budget.max_depth
             noise[b, :d, :k, :k] = torch.rand(d, k, k, generator=generator)
     return noise.clamp_(min=torch.finfo(torch.float32).tiny)  # Gumbel needs log(u) finite
+
+
+def _cutoff(levels: list[_Nodes], batch: int, max_drafts: torch.Tensor) -> torch.Tensor:
+    """[batch] score of each sequence's (N - 1)-th best candidate so far, -inf if it has fewer.
+
+    A frontier node scoring no higher is not expanded: its descendants score no higher than
+    it and are deeper, so none could enter the final tree (an exact cut, not a heuristic).
+    """
+    seq = torch.cat([level.seq for level in levels])
+    score = torch.cat([level.score for level in levels])
+    depth = torch.cat([torch.full_like(level.seq, d) for d, level in enumerate(levels)])
+    rank = _rank_within_sequence(seq, batch, score, depth, torch.cat([level.order for level in levels]))
+    last = rank == max_drafts[seq] - 1
+    cutoff = torch.full((batch,), float("-inf"), device=score.device)
+    cutoff[seq[last]] = score[last]
+    return cutoff
 
 
 def _lexsort(*keys: torch.Tensor) -> torch.Tensor:

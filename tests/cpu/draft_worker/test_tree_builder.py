@@ -148,6 +148,13 @@ def test_frontier_calls_are_batched_and_consistent():
         assert (torch.bincount(call.seq_index, minlength=3) <= torch.tensor([3, 2, 1])).all()
 
 
+def test_no_expansion_past_what_can_make_the_cut():
+    proposer = bigram(tree_top_k=1, depth=8, nodes=3)
+    (tree,) = proposer.propose(mixed_updates([TreeBudget(3, 8, 1)], [GREEDY]))
+    assert tree.num_nodes == 3
+    assert [f.depth for f in proposer.frontiers] == [1]  # the 2-token chain needs one call
+
+
 def test_seeded_drafts_do_not_depend_on_the_batch():
     budget, seeded = TreeBudget(10, 4, 3), SamplingParams(1.0, seed=42)
     alone = bigram().propose(mixed_updates([budget], [seeded]))[0]
