@@ -54,6 +54,11 @@ class ModelRunner:
             )
         return cls(model, KVCache(spec, kv_cache_rows, device), max_model_len)
 
+    @property
+    def device(self) -> torch.device:
+        """Where batches for this runner must live (`build_forward_batch(..., device=)`)."""
+        return next(iter(self.cache.buffers.values())).device
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         if max(batch.kv_lens) > self.max_model_len:

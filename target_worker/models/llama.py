@@ -61,6 +61,11 @@ class LlamaFamilyConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
         heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise CheckpointError(
+                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
         attention_bias = bool(cfg.get("attention_bias", False))
         uses_window = cfg.get("use_sliding_window", model_type == "mistral")
         return LlamaFamilyConfig(
@@ -69,7 +74,7 @@ class LlamaFamilyConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            num_kv_heads=kv_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope=rope_parameters_of(cfg),
@@ -92,6 +97,8 @@ class LlamaBlock:
         i0, i1 = tp.even_range(cfg.intermediate_size, "intermediate_size")
         self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, d
         self.tp, self.ffn = tp, i1 - i0
+        self.qk_v_widths = [(self.num_heads + self.num_kv_heads) * d, self.num_kv_heads * d]
+        self.adds_residual = tp.rank == 0  # row-parallel partial sums carry the residual once
         qkv = [(p + "self_attn.q_proj", q0 * d, q1 * d), (p + "self_attn.k_proj", k0 * d, k1 * d)]
         qkv.append((p + "self_attn.v_proj", k0 * d, k1 * d))
         rows = torch.cat(
@@ -152,19 +159,20 @@ class LlamaBlock:
     ) -> torch.Tensor:
         t, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv.scaled(h, rms_scale(h, self.eps))  # [T, (H_q + 2 H_kv) D], input norm folded in
-        qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+        qk, v = qkv.split(self.qk_v_widths, dim=1)
+        qk = qk.view(t, hq + hkv, d)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
         qk = RotaryEmbedding.apply(qk, rotation)
         k_cache, v_cache = kv
         k_cache.index_copy_(0, rows, qk[:, hq:])
-        v_cache.index_copy_(0, rows, qkv[:, (hq + hkv) * d :].view(t, hkv, d))
+        v_cache.index_copy_(0, rows, v.view(t, hkv, d))
         attn = ragged_attention(qk[:, :hq], k_cache, v_cache, plan)  # [T, H_q, D]
-        residual = h if self.tp.rank == 0 else None  # added once across ranks
-        h = self.tp.all_reduce(self.o(attn.reshape(t, hq * d), residual))
-        gate_up = self.gate_up.scaled(h, rms_scale(h, self.eps))  # [T, 2 I], post-attention norm folded in
-        act = F.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn :]
-        return self.tp.all_reduce(self.down(act, h if self.tp.rank == 0 else None))
+        h = self.tp.all_reduce(self.o(attn.reshape(t, hq * d), h if self.adds_residual else None))
+        gate, up = self.gate_up.scaled(h, rms_scale(h, self.eps)).split(
+            self.ffn, dim=1
+        )  # post-attn norm folded
+        return self.tp.all_reduce(self.down(F.silu(gate).mul_(up), h if self.adds_residual else None))
 
 
 @register_architecture(

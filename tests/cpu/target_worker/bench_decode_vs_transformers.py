@@ -5,7 +5,7 @@ Not a test (timings are not asserted): run by hand,
     .venv/bin/python tests/cpu/target_worker/bench_decode_vs_transformers.py [--threads 1]
 
 Random Llama (default: hidden 384, 6 layers, vocab 8192, 16M parameters), fp32, a 128-token prompt,
-then 1-token decode steps timed in interleaved rounds so machine drift hits both alike.
+then 1-token decode steps timed in short interleaved rounds so machine drift hits both alike.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from target_worker.runner import ModelRunner
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=384)
     parser.add_argument("--layers", type=int, default=6)
     args = parser.parse_args()
@@ -39,7 +39,7 @@ def main() -> None:
         intermediate_size=args.hidden * 8 // 3,
         num_hidden_layers=args.layers,
         num_attention_heads=args.hidden // 64,
-        num_key_value_heads=2,
+        num_key_value_heads=2 if args.hidden // 64 % 2 == 0 else 1,
         max_position_embeddings=1024,
     )
     ref = transformers.LlamaForCausalLM(config).eval()
@@ -80,10 +80,12 @@ def main() -> None:
     print(
         f"{params:.1f}M params, {args.threads} thread(s), 128-token context, {args.steps} steps x {args.rounds}"
     )
-    print(f"runner       {statistics.median(ms_ours):.2f} ms/token (median)")
-    print(f"transformers {statistics.median(ms_theirs):.2f} ms/token (median)")
+    # Other processes share this CPU: the fastest round is the least disturbed one.
+    print(f"runner       {min(ms_ours):.2f} ms/token best, {statistics.median(ms_ours):.2f} median")
+    print(f"transformers {min(ms_theirs):.2f} ms/token best, {statistics.median(ms_theirs):.2f} median")
     print(
-        f"speedup      {statistics.median(ratios):.2f}x (median of per-round ratios {min(ratios):.2f}-{max(ratios):.2f})"
+        f"speedup      {min(ms_theirs) / min(ms_ours):.2f}x best-vs-best, "
+        f"{statistics.median(ratios):.2f}x median of per-round ratios"
     )
 
 

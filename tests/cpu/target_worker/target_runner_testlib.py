@@ -115,7 +115,7 @@ def run_scenario(runner, vocab_size: int, seed: int = 0, capture: HiddenCapture 
     ]
     for make_step in steps:
         chunks, rows = zip(*make_step(), strict=True)
-        out = runner.forward(build_forward_batch(list(chunks), capture=capture))
+        out = runner.forward(build_forward_batch(list(chunks), capture=capture, device=runner.device))
         scenario.logits.append(out.logits)
         scenario.rows.append([r for seq_rows in rows for r in seq_rows])
         scenario.outputs.append(out)
@@ -130,13 +130,15 @@ def reference_logits(model, sequence: list[int]) -> torch.Tensor:
         return model(torch.tensor([sequence])).logits[0, -1]
 
 
-def tp_rank_check(tp, checkpoint_paths: list[str], atol: float) -> None:
+def tp_rank_check(tp, checkpoint_paths: list[str], atol: float, device: str = "cpu") -> None:
     """Runs in each TP rank: the sharded runner's scenario logits equal an unsharded runner's."""
     from target_worker.runner import ModelRunner
 
+    if device == "cuda":
+        device = f"cuda:{tp.rank}"
     for path in checkpoint_paths:
-        sharded = ModelRunner.from_pretrained(path, max_model_len=64, tp=tp)
-        single = ModelRunner.from_pretrained(path, max_model_len=64)
+        sharded = ModelRunner.from_pretrained(path, max_model_len=64, tp=tp, device=device)
+        single = ModelRunner.from_pretrained(path, max_model_len=64, device=device)
         # Really sharded: this rank holds half the fused MLP columns.
         assert (
             sharded.model.blocks[0].gate_up.weight_t.shape[1] * 2
