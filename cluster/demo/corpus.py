@@ -17,6 +17,7 @@ added elsewhere. Evaluation and benchmarks draw prompts from held-out files only
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import sysconfig
 import warnings
@@ -54,8 +55,13 @@ def _read_python3(path: Path) -> str | None:
 
 
 def load_corpus(root: Path | None = None) -> tuple[list[SourceFile], list[SourceFile]]:
-    """Return (train, held_out) files, each sorted by path."""
-    root = root or stdlib_root()
+    """Return (train, held_out) files, each sorted by path (new lists; parsed once per process)."""
+    train, held_out = _load_corpus(root or stdlib_root())
+    return list(train), list(held_out)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_corpus(root: Path) -> tuple[tuple[SourceFile, ...], tuple[SourceFile, ...]]:
     train: list[SourceFile] = []
     held_out: list[SourceFile] = []
     for path in sorted(root.rglob("*.py")):
@@ -69,7 +75,7 @@ def load_corpus(root: Path | None = None) -> tuple[list[SourceFile], list[Source
         (held_out if is_held_out(entry.path) else train).append(entry)
     if not train or not held_out:
         raise RuntimeError(f"no usable Python source under {root}: cannot build the demo corpus")
-    return train, held_out
+    return tuple(train), tuple(held_out)
 
 
 def every_kth(files: list[SourceFile], fraction: float) -> list[SourceFile]:

@@ -1,0 +1,73 @@
+"""Where the engine gets candidate trees from: the draft-source interface.
+
+The engine is *handed* a draft source by whoever builds it (DESIGN.md, "Layout"); it never
+imports `draft_worker`. Two implementations exist: `InProcessDraftSource` (a proposer in the
+same process, below) and the gRPC client (`target_worker/draft_client.py`, the
+disaggregation issue). One round, seen from the engine:
+
+    source.submit(updates)          # right after commit: deltas for the sequences still running
+    ...                             # engine work that overlaps drafting (stream outputs, admit, prefill)
+    trees = source.collect(seq_ids, timeout_s)   # seq_id -> CandidateTree; absent = no tree this round
+
+A sequence without a tree simply decodes one token that round: a slow, dead or malicious
+drafter costs speed, never correctness or a request. Trees are untrusted: the engine checks
+each against its budget, the vocabulary and its root before use.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Protocol
+
+from proto import CandidateTree, FeatureSpec, SequenceUpdate
+
+
+class DraftSource(abc.ABC):
+    @property
+    @abc.abstractmethod
+    def feature_spec(self) -> FeatureSpec:
+        """Which target features each update must carry (nothing, last hidden state, fused layers)."""
+
+    @abc.abstractmethod
+    def submit(self, updates: Sequence[SequenceUpdate]) -> None:
+        """Hand over this round's deltas; returns without waiting for trees."""
+
+    @abc.abstractmethod
+    def collect(self, seq_ids: Sequence[int], timeout_s: float | None = None) -> dict[int, CandidateTree]:
+        """Trees for the submitted sequences that are ready within `timeout_s` (None: wait for all)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook: in-process sources hold nothing to release
+        """Release connections and state."""
+
+
+class TreeProposer(Protocol):
+    """What `InProcessDraftSource` needs: `draft_worker.proposer.Proposer` satisfies it."""
+
+    @property
+    def feature_spec(self) -> FeatureSpec: ...
+
+    def propose(self, updates: Sequence[SequenceUpdate]) -> list[CandidateTree]: ...
+
+
+class InProcessDraftSource(DraftSource):
+    """A proposer running in the engine's own process; drafting happens inside `collect`."""
+
+    def __init__(self, proposer: TreeProposer):
+        self.proposer = proposer
+        self._pending: list[SequenceUpdate] = []
+
+    @property
+    def feature_spec(self) -> FeatureSpec:
+        return self.proposer.feature_spec
+
+    def submit(self, updates: Sequence[SequenceUpdate]) -> None:
+        self._pending.extend(updates)
+
+    def collect(self, seq_ids: Sequence[int], timeout_s: float | None = None) -> dict[int, CandidateTree]:
+        updates, self._pending = self._pending, []
+        if not updates:
+            return {}
+        trees = self.proposer.propose(updates)
+        wanted = set(seq_ids)
+        return {tree.seq_id: tree for tree in trees if tree.seq_id in wanted}
