@@ -139,7 +139,9 @@ def train_lm(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         recent = (recent + [loss.item()])[-10:]
-        bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}", lr=f"{_lr_at(step, recipe):.1e}")
+        bar.set_postfix(
+            loss=f"{sum(recent) / len(recent):.3f}", lr=f"{_lr_at(step, recipe):.1e}", refresh=False
+        )
     model.eval()
     return TrainStats(
         steps=recipe.steps,
