@@ -151,11 +151,16 @@ def build_proposer(
     config: Mapping[str, Any], *, vocab_size: int, device: torch.device | str = "cpu"
 ) -> Proposer:
     """A proposer from a vLLM-style speculative config dict (see `draft_worker.config`)."""
+    parsed = parse_speculative_config(config)
+    return _PROPOSERS[parsed.method](parsed, vocab_size=vocab_size, device=device)
+
+
+def parse_speculative_config(config: Mapping[str, Any]) -> SpeculativeConfig:
+    """Check a vLLM-style dict against its method's keys without building anything (config edges)."""
     method = config.get("method")
     if method not in _PROPOSERS:
         raise ValueError(
             f"unknown speculative method {method!r}; known methods: {', '.join(known_methods())}"
         )
     cls = _PROPOSERS[method]
-    parsed = SpeculativeConfig.from_dict(config, cls.Options, cls.default_num_speculative_tokens)
-    return cls(parsed, vocab_size=vocab_size, device=device)
+    return SpeculativeConfig.from_dict(config, cls.Options, cls.default_num_speculative_tokens)
