@@ -1,0 +1,227 @@
+"""The serving config: one pydantic model, the `args` of `cluster.app:build_app`.
+
+Config comes in layers (STYLE.md rule 9): this file is the edge, where a Serve config YAML,
+`outrider serve` flags or a KubeRay manifest arrive as plain data and are checked once, with
+a message naming the field; the engine and the workers get frozen values built from it.
+
+    OutriderArgs
+      model / tokenizer / demo / served_model_name   what is served
+      speculative_config                               vLLM's dict (method, num_speculative_tokens, ...)
+      no_speculation                                   plain decoding through the same engine
+      tensor_parallel_size                             ranks per target replica
+      engine: EngineArgs                               KV / batch limits, bounded request queue
+      target: TargetDeploymentArgs                     replicas, autoscaling, CPUs per replica
+      draft_pool: DraftPoolArgs                        where drafting runs, its replicas, deadline
+      gpu_pools: GpuPoolConfig                         which GPUs are draft / target GPUs
+
+A minimal Serve config (`serve run cluster/serve_demo.yaml`):
+
+    applications:
+      - import_path: cluster.app:build_app
+        args: {demo: tiny, speculative_config: {method: ngram, num_speculative_tokens: 4}}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cluster.gpu_pools import GpuPoolConfig
+
+DEFAULT_SPECULATIVE_CONFIG: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+class _Strict(BaseModel):
+    # A misspelt key in a YAML file must fail, not be silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+class AutoscalingArgs(_Strict):
+    """Ray Serve autoscaling for one deployment; `to_serve()` gives Serve's `autoscaling_config`."""
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas kept running.")
+    max_replicas: int = Field(4, ge=1, description="Most replicas the autoscaler may start.")
+    initial_replicas: int | None = Field(None, ge=0, description="Replicas at start (default: min_replicas).")
+    target_ongoing_requests: float = Field(
+        8.0,
+        gt=0,
+        description="Target: requests in flight per replica (running + queued). Draft: the draft queue "
+        "wait, in milliseconds, per replica that the policy aims for.",
+    )
+    metrics_interval_s: float = Field(2.0, gt=0, description="How often replicas report their load.")
+    look_back_period_s: float = Field(10.0, gt=0, description="Window the load is averaged over.")
+    upscale_delay_s: float = Field(5.0, ge=0, description="Load must stay high this long before scaling up.")
+    downscale_delay_s: float = Field(
+        60.0, ge=0, description="Load must stay low this long before scaling down."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingArgs:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        return self
+
+    def to_serve(self, policy: str | None = None) -> dict[str, Any]:
+        config = self.model_dump(exclude_none=True)
+        if policy:
+            # Serve hands the policy the replicas' `record_autoscaling_stats` values.
+            config["policy"] = {"policy_function": policy}
+        return config
+
+
+class EngineArgs(_Strict):
+    """Limits of one target replica's engine: bounded batch, bounded queue, bounded KV."""
+
+    max_num_seqs: int = Field(16, ge=1, description="Sequences decoded together in one step (vLLM's name).")
+    max_queued_requests: int = Field(
+        64,
+        ge=0,
+        description="Requests waiting for a batch slot per replica; beyond it the API answers 429.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=8, description="Longest prompt + output, in tokens (default: the model's context)."
+    )
+    kv_cache_rows: int | None = Field(
+        None, ge=1, description="KV-cache rows per replica (default: max_num_seqs full-length sequences)."
+    )
+    default_max_tokens: int = Field(
+        64, ge=1, description="Output tokens when a request does not say (`max_tokens` absent)."
+    )
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads for the engine (default: torch's own choice)."
+    )
+
+
+class TargetDeploymentArgs(_Strict):
+    """The target deployment: each replica is one tensor-parallel group running an engine."""
+
+    num_replicas: int = Field(1, ge=1, description="Fixed replica count (ignored with `autoscaling`).")
+    autoscaling: AutoscalingArgs | None = Field(
+        None,
+        description="Scale on requests in flight per replica; recommended: target_ongoing_requests = max_num_seqs.",
+    )
+    num_cpus: float = Field(
+        1.0, ge=0, description="CPUs Ray reserves per replica (0 on small test machines)."
+    )
+    gpus_per_rank: float = Field(
+        1.0, ge=0, description="GPUs per tensor-parallel rank where a target pool exists."
+    )
+
+
+class DraftPoolArgs(_Strict):
+    """Where drafting happens: in the target process, a draft deployment, or external servers."""
+
+    mode: Literal["colocated", "deployment", "external"] = Field(
+        "colocated",
+        description="colocated: the proposer runs inside each target replica; deployment: a Ray Serve "
+        "draft deployment of gRPC draft servers; external: the `draft_endpoints` addresses.",
+    )
+    draft_endpoints: list[str] = Field(
+        default_factory=list,
+        description="host:port of draft servers outside Ray (`outrider draft-server`); sets mode=external.",
+    )
+    num_replicas: int = Field(1, ge=1, description="Draft replicas (ignored with `autoscaling`).")
+    autoscaling: AutoscalingArgs | None = Field(
+        None,
+        description="Scale the draft deployment on its own signal (draft queue wait in ms); "
+        "recommended 1 draft replica per 2-4 target replicas to start.",
+    )
+    round_deadline_ms: float = Field(
+        50.0, gt=0, description="How long a target waits for a round's trees before decoding without them."
+    )
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per draft replica.")
+    gpus_per_replica: float = Field(
+        1.0, ge=0, description="GPUs per draft replica where a draft pool exists."
+    )
+    grpc_port: int = Field(
+        0, ge=0, le=65535, description="Port of each draft replica's gRPC server; 0 = any free one."
+    )
+
+    @model_validator(mode="after")
+    def _endpoints_mean_external(self) -> DraftPoolArgs:
+        if self.draft_endpoints:
+            self.mode = "external"
+        elif self.mode == "external":
+            raise ValueError("draft_pool.mode 'external' needs draft_endpoints (host:port, ...)")
+        for address in self.draft_endpoints:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"draft_endpoints: {address!r} is not host:port")
+        return self
+
+
+class TreeBudgetArgs(_Strict):
+    """The most a target verifies per sequence per round (sent with every update)."""
+
+    max_nodes: int = Field(16, ge=1, description="Nodes per tree, root included.")
+    max_depth: int = Field(8, ge=1, description="Draft tokens on any root-to-leaf path.")
+    top_k: int = Field(4, ge=1, description="Children per node.")
+
+
+class OutriderArgs(_Strict):
+    """Everything `build_app` needs; every field is also a Serve config `args` key."""
+
+    model: str | None = Field(
+        None, description="A Hugging Face model folder (config.json + safetensors); default: the demo target."
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer folder (default: the model folder).")
+    demo: Literal["tiny", "small"] = Field(
+        "small", description="Which demo family to build/load when `model` is not given."
+    )
+    served_model_name: str | None = Field(
+        None, description="The `model` name clients send (default: outrider-demo-<size> or the folder name)."
+    )
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template overriding the tokenizer's (and the demo default)."
+    )
+    speculative_config: dict[str, Any] | None = Field(
+        None,
+        description="vLLM-style speculative config: method, num_speculative_tokens, tree_top_k, "
+        "tree_max_nodes, prompt_lookup_min/max, ... (default: ngram with 4 tokens).",
+    )
+    no_speculation: bool = Field(False, description="Plain decoding through the same engine (the baseline).")
+    tree_budget: TreeBudgetArgs | None = Field(
+        None, description="Per-round tree budget the target offers (default: the drafter's configured shape)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks per target replica (torch.distributed).")
+    engine: EngineArgs = Field(default_factory=EngineArgs, description="Batch, queue and KV limits.")
+    target: TargetDeploymentArgs = Field(
+        default_factory=TargetDeploymentArgs, description="Target deployment replicas and resources."
+    )
+    draft_pool: DraftPoolArgs = Field(
+        default_factory=DraftPoolArgs, description="Where drafting runs and how it scales."
+    )
+    gpu_pools: GpuPoolConfig = Field(
+        default_factory=GpuPoolConfig, description="Memory thresholds sorting GPUs into draft/target pools."
+    )
+    ingress_num_cpus: float = Field(0.0, ge=0, description="CPUs Ray reserves for the HTTP ingress replica.")
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _check_speculative_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            parse_speculative(value)  # raises ValueError naming the bad key
+        return value
+
+    @property
+    def speculative(self) -> dict[str, Any] | None:
+        """The speculative config in force; None means plain decoding."""
+        if self.no_speculation:
+            return None
+        return self.speculative_config or dict(DEFAULT_SPECULATIVE_CONFIG)
+
+
+def parse_speculative(config: dict[str, Any]):
+    """`draft_worker`'s own parser, so the config edge and the drafter agree on every key."""
+    import draft_worker  # noqa: F401 - registers the built-in methods
+    from draft_worker.proposer import parse_speculative_config
+
+    return parse_speculative_config(config)
+
+
+def load_args(args: OutriderArgs | dict[str, Any] | None) -> OutriderArgs:
+    """Serve passes a dict from YAML; Python callers may pass the model itself."""
+    if isinstance(args, OutriderArgs):
+        return args
+    return OutriderArgs.model_validate(args or {})
