@@ -1,0 +1,158 @@
+"""`outrider draft-server`: run one proposer as a gRPC draft worker.
+
+    outrider draft-server --method ngram --port 50051 --demo tiny
+    outrider draft-server --method draft_model --port 50051 --model /models/draft \\
+        --tls-cert server.pem --tls-key server.key --tls-client-ca ca.pem --token-file token
+
+`cluster/cli.py` owns the command map; it calls `add_draft_server_parser(commands, ...)` and
+passes a `resolve_demo` callback that turns `--demo SIZE` into the demo family's folders,
+since draft_worker must not import cluster (DESIGN.md, "Layout").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from draft_worker.proposer import Proposer
+
+# SIZE -> (draft checkpoint folder, tokenizer folder)
+DemoResolver = Callable[[str], tuple[Path, Path]]
+
+
+def add_draft_server_parser(
+    subparsers: argparse._SubParsersAction,
+    resolve_demo: DemoResolver | None = None,
+    demo_sizes: Sequence[str] = ("tiny", "small"),
+) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "draft-server",
+        help="serve a drafting method over gRPC (a disaggregated draft worker)",
+        description="Serve one proposer as outrider.v1.DraftService, with health checking and reflection. "
+        "Targets connect with the gRPC draft client; SIGTERM drains in-flight rounds, then exits.",
+    )
+    parser.add_argument(
+        "--method", required=True, help="registered proposer, e.g. ngram, suffix, draft_model"
+    )
+    parser.add_argument("--port", type=int, required=True, help="port to listen on (0 = any free port)")
+    parser.add_argument("--host", default="[::]", help="address to bind (default: %(default)s)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--demo", choices=list(demo_sizes), help="use the demo family's draft and tokenizer")
+    source.add_argument("--model", metavar="DIR", help="the drafter's checkpoint folder (HF layout)")
+    parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (default: the model's own)")
+    parser.add_argument("--num-speculative-tokens", type=int, help="K: draft tokens on the longest path")
+    parser.add_argument(
+        "--speculative-config", metavar="JSON", default="{}", help="further vLLM-style keys, as a JSON object"
+    )
+    parser.add_argument("--target-model-id", default="", help="refuse targets serving another model")
+    parser.add_argument(
+        "--max-batch", type=int, default=256, help="sequences per request (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-message-mb", type=int, default=64, help="gRPC message size limit (default: %(default)s)"
+    )
+    parser.add_argument("--tls-cert", metavar="PEM", help="server certificate chain (enables TLS)")
+    parser.add_argument("--tls-key", metavar="PEM", help="server private key")
+    parser.add_argument(
+        "--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA"
+    )
+    parser.add_argument("--token-file", metavar="FILE", help="require `authorization: Bearer <token>`")
+    parser.add_argument(
+        "--grace-s", type=float, default=10.0, help="drain time on shutdown (default: %(default)s)"
+    )
+    parser.set_defaults(func=lambda args: run_draft_server(args, resolve_demo))
+    return parser
+
+
+def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None = None) -> int:
+    from draft_worker.server import DraftIdentity, ServerTls, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    model_dir, tokenizer_dir, model_id = _model_folders(args, resolve_demo)
+    config = json.loads(args.speculative_config)
+    if args.num_speculative_tokens is not None:
+        config["num_speculative_tokens"] = args.num_speculative_tokens
+    proposer = build_server_proposer(args.method, config, model_dir, tokenizer_dir)
+    from target_worker.draft_client import tokenizer_fingerprint
+
+    identity = DraftIdentity(
+        draft_model_id=model_id,
+        vocab_size=proposer.vocab_size,
+        vocab_fingerprint=tokenizer_fingerprint(tokenizer_dir),
+        target_model_id=args.target_model_id,
+    )
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("--tls-cert and --tls-key go together")
+        client_ca = Path(args.tls_client_ca).read_bytes() if args.tls_client_ca else None
+        tls = ServerTls(Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes(), client_ca)
+    elif args.tls_client_ca:
+        raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    server = serve(
+        proposer,
+        identity,
+        address=f"{args.host}:{args.port}",
+        tls=tls,
+        token=token,
+        max_message_bytes=args.max_message_mb << 20,
+        max_batch=args.max_batch,
+    )
+    print(f"draft server: {args.method} ({model_id}) on port {server.port}", flush=True)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    server.stop(args.grace_s)
+    return 0
+
+
+def build_server_proposer(
+    method: str, options: dict[str, Any], model_dir: Path | None, tokenizer_dir: Path
+) -> Proposer:
+    """The proposer for `method` with vLLM-style `options`; `model` goes only to methods taking one."""
+    from draft_worker import build_proposer
+
+    config = {"method": method, **options}
+    vocab_size = _vocab_size(model_dir, tokenizer_dir)
+    if model_dir is not None and "model" not in config:
+        try:
+            return build_proposer(config | {"model": str(model_dir)}, vocab_size=vocab_size)
+        except ValueError as error:
+            if "unknown keys ['model']" not in str(error):
+                raise  # model-free methods (ngram, suffix) refuse the key; anything else is real
+    return build_proposer(config, vocab_size=vocab_size)
+
+
+def _model_folders(
+    args: argparse.Namespace, resolve_demo: DemoResolver | None
+) -> tuple[Path | None, Path, str]:
+    """(draft checkpoint or None, tokenizer folder, the id the handshake reports)."""
+    if args.demo:
+        if resolve_demo is None:
+            raise SystemExit("--demo is not available here: this entry point has no demo resolver")
+        draft_dir, tokenizer_dir = resolve_demo(args.demo)
+        return draft_dir, Path(args.tokenizer or tokenizer_dir), f"demo-{args.demo}-{args.method}"
+    model_dir = Path(args.model) if args.model else None
+    tokenizer_dir = args.tokenizer or model_dir
+    if tokenizer_dir is None:
+        raise SystemExit("give --tokenizer (or --model / --demo): the handshake needs the vocabulary")
+    model_id = f"{model_dir.name}-{args.method}" if model_dir else args.method
+    return model_dir, Path(tokenizer_dir), model_id
+
+
+def _vocab_size(model_dir: Path | None, tokenizer_dir: Path) -> int:
+    """The model's logits width when there is a model (it may pad the tokenizer), else the tokenizer's."""
+    if model_dir is not None and (model_dir / "config.json").exists():
+        return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
