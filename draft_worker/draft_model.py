@@ -1,0 +1,263 @@
+"""`draft_model`: an independent small LM drafts chains or EAGLE-2 trees (vLLM's `draft_model`).
+
+    {"method": "draft_model", "model": "/path/to/draft", "num_speculative_tokens": 4}       a chain
+    {"method": "draft_model", "model": ..., "num_speculative_tokens": 5, "tree_top_k": 4,
+     "tree_max_nodes": 16}                                                                    a tree
+
+The draft is any Llama-family checkpoint with the target's vocabulary (the demo family's
+`draft/`), run on the target runner's own model code (`ModelRunner`) with its own KV cache.
+Per sequence the state is the committed tokens, a KV extent and how many of the tokens are in
+it; a round, for the whole batch at once:
+
+    prefill   one forward over every sequence's uncached tokens (the round's delta, ending in
+              the root): the root's logits, and the delta's K/V at its absolute positions
+    expand    one forward per tree depth through `tree_builder.build_trees`, over the
+              frontier rows of every sequence together (`_TreeScratch`)
+
+Draft extent of one sequence (rows = absolute positions, as in the target's cache):
+
+    | committed context ... root | scratch: this round's tree nodes, in expansion order |
+    ^ start                       ^ start + L (L = cached tokens, root included)
+
+Tree node j of the round is written to row start + L + j at RoPE position L - 1 + depth and
+attends to the context and its own ancestors (an explicit mask; a chain step is a plain
+decode). Nothing is rolled back: next round's delta (accepted tokens + the recovered or
+bonus token) is prefilled at start + L, overwriting whatever drafted rows sit there.
+
+A sequence that does not fit (KV cache full, or past the draft's `max_model_len`) gets
+root-only trees, so the target decodes it without speculation: drafting costs speed, never
+a request. It is admitted again later if the cache frees up.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draft_worker.proposer import Proposer, register_proposer
+from draft_worker.tree_builder import Frontier, build_trees, draft_generator
+from proto import CandidateTree, SequenceUpdate, TreeBudget
+from proto.handshake import vocab_fingerprint
+from target_worker.batch import ForwardBatch, SequenceChunk, build_forward_batch
+from target_worker.kv_cache import CacheFullError
+from target_worker.loader import DTYPES
+from target_worker.runner import ModelRunner
+
+NO_DRAFT = TreeBudget(max_nodes=1, max_depth=0, top_k=0)
+
+
+@dataclass(frozen=True)
+class DraftModelOptions:
+    model: str | None = None  # draft checkpoint folder (HF layout, safetensors)
+    max_model_len: int | None = None  # draft context; default: its max_position_embeddings
+    kv_cache_rows: int | None = None  # draft KV budget in rows; default: 32 full-length sequences
+    kv_cache_bytes: int | None = None  # ... or in bytes
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; default: the checkpoint's
+    # The target tokenizer's `proto.handshake.vocab_fingerprint`; when set, the draft's own
+    # tokenizer.json must match it (same size is not enough: ids could mean other tokens).
+    target_vocab_fingerprint: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("draft_model: the key 'model' (the draft checkpoint folder) is required")
+        if self.kv_cache_rows is not None and self.kv_cache_bytes is not None:
+            raise ValueError("draft_model: give kv_cache_rows or kv_cache_bytes, not both")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"draft_model: dtype {self.dtype!r}; use one of {sorted(DTYPES)}")
+
+
+@dataclass
+class DraftModelState:
+    seq_id: int
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)  # committed tokens; the last is the next root
+    start: int | None = None  # first row of the KV extent; None = not admitted
+    cached: int = 0  # tokens[:cached] have their K/V in the extent
+
+
+def draft_vocabulary(path: str | Path) -> tuple[int, str | None]:
+    """(embedding rows from config.json, vocab fingerprint of tokenizer.json or None if absent)."""
+    path = Path(path)
+    size = int(json.loads((path / "config.json").read_text())["vocab_size"])
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return size, None
+    from tokenizers import Tokenizer
+
+    return size, vocab_fingerprint(Tokenizer.from_file(str(tokenizer_file)).get_vocab(with_added_tokens=True))
+
+
+@register_proposer("draft_model")
+class DraftModelProposer(Proposer[DraftModelState]):
+    Options = DraftModelOptions
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        options: DraftModelOptions = self.config.options
+        size, self.vocab_fingerprint = draft_vocabulary(options.model)
+        self._check_vocabulary(options, size)
+        hf_config = json.loads((Path(options.model) / "config.json").read_text())
+        self.max_model_len = options.max_model_len or int(hf_config.get("max_position_embeddings", 2048))
+        budget = self.config.budget
+        # Scratch rows: every expanded node of a round (the deepest level is never expanded).
+        self.scratch_rows = max(1, (budget.max_depth - 1) * budget.top_k)
+        self.extent_rows = self.max_model_len + self.scratch_rows
+        rows = options.kv_cache_rows
+        if rows is None and options.kv_cache_bytes is None:
+            rows = 32 * self.extent_rows
+        self.runner = ModelRunner.from_pretrained(
+            options.model,
+            max_model_len=self.extent_rows,  # kv_lens count scratch rows too
+            kv_cache_rows=rows,
+            kv_cache_bytes=options.kv_cache_bytes,
+            dtype=DTYPES[options.dtype] if options.dtype else None,
+            device=self.device,
+        )
+        self.forwards = 0  # draft forward passes so far (one prefill + one per expanded depth per round)
+
+    def _check_vocabulary(self, options: DraftModelOptions, size: int) -> None:
+        expected = options.target_vocab_fingerprint
+        if size != self.vocab_size or (
+            expected and self.vocab_fingerprint and expected != self.vocab_fingerprint
+        ):
+            theirs = f", tokenizer fingerprint {expected[:16]}…" if expected else ""
+            ours = f", tokenizer fingerprint {self.vocab_fingerprint[:16]}…" if self.vocab_fingerprint else ""
+            raise ValueError(
+                f"draft_model: the draft {options.model} has a different vocabulary from the target "
+                f"(draft: {size} tokens{ours}; target: {self.vocab_size} tokens{theirs}); "
+                "a draft model must share the target's tokenizer"
+            )
+        if expected and self.vocab_fingerprint is None:
+            raise ValueError(
+                f"draft_model: target_vocab_fingerprint was given but {options.model} has no "
+                "tokenizer.json to check it against"
+            )
+
+    def new_state(self, update: SequenceUpdate) -> DraftModelState:
+        old = self._states.get(update.seq_id)
+        if old is not None:  # a reset: the old state is replaced without `finished`
+            self.retire(old)
+        return DraftModelState(update.seq_id, draft_generator(update.sampling.seed))
+
+    def extend(self, state: DraftModelState, update: SequenceUpdate) -> None:
+        # Only bookkeeping: the K/V of the new tokens is computed in `draft`, batched.
+        state.tokens.extend(update.new_tokens.tolist())
+
+    def retire(self, state: DraftModelState) -> None:
+        if state.start is not None:
+            self.runner.cache.free(state.seq_id)
+            state.start = None
+
+    def draft(
+        self, updates: Sequence[SequenceUpdate], states: Sequence[DraftModelState]
+    ) -> list[CandidateTree]:
+        drafting = [b for b, s in enumerate(states) if self._admit(s)]
+        vocab = self.vocab_size
+        root_logits = torch.zeros(len(updates), vocab, device=self.runner.device)  # [batch, vocab]
+        budgets = [NO_DRAFT] * len(updates)
+        if drafting:
+            root_logits[drafting] = self._prefill([states[b] for b in drafting]).to(root_logits.dtype)
+            for b in drafting:
+                budget = self.budget(updates[b])
+                room = self.max_model_len - states[b].cached  # positions left after the root
+                depth = min(budget.max_depth, room)
+                budgets[b] = TreeBudget(budget.max_nodes, depth, budget.top_k) if depth > 0 else NO_DRAFT
+        scratch = _TreeScratch(self, states)
+        return build_trees(
+            updates,
+            budgets,
+            root_logits,
+            scratch,
+            sampled_mode=self.config.sampled_mode,
+            generators=[s.generator for s in states],
+        )
+
+    def _admit(self, state: DraftModelState) -> bool:
+        """Whether the sequence drafts this round: it fits the draft's context and has an extent."""
+        if len(state.tokens) > self.max_model_len:
+            self.retire(state)
+            return False
+        if state.start is None:
+            try:
+                state.start = self.runner.cache.allocate(state.seq_id, self.extent_rows)
+            except CacheFullError:
+                return False
+            state.cached = 0
+        return True
+
+    def _prefill(self, states: Sequence[DraftModelState]) -> torch.Tensor:
+        """One forward over every sequence's uncached tokens; [len(states), vocab] root logits."""
+        chunks = [
+            SequenceChunk(s.start, s.cached, torch.tensor(s.tokens[s.cached :], dtype=torch.int64))
+            for s in states
+        ]
+        out = self.runner.forward(build_forward_batch(chunks, device=self.runner.device))
+        self.forwards += 1
+        for s in states:
+            s.cached = len(s.tokens)
+        return out.logits
+
+
+class _TreeScratch:
+    """The `LogitsFn` of one round: writes each depth's frontier into the sequences' scratch
+    rows and returns its logits, one forward for the whole batch."""
+
+    def __init__(self, proposer: DraftModelProposer, states: Sequence[DraftModelState]):
+        self.proposer = proposer
+        self.runner = proposer.runner
+        device = self.runner.device
+        self.start = torch.tensor([s.start or 0 for s in states], dtype=torch.int64)  # [batch]
+        self.cached = torch.tensor([s.cached for s in states], dtype=torch.int64)  # [batch] L
+        self.used = torch.zeros(len(states), dtype=torch.int64)  # [batch] scratch rows written
+        # [rows of the last call, scratch_rows] bool: which scratch rows each row attends to.
+        self.ancestors = torch.zeros(0, proposer.scratch_rows, dtype=torch.bool, device=device)
+
+    def __call__(self, frontier: Frontier) -> torch.Tensor:  # [frontier.num_rows, vocab]
+        device = self.runner.device
+        seq = frontier.seq_index.cpu()  # [R]
+        # Rows grouped by sequence (they normally already are): one ragged chunk each.
+        order = seq.argsort(stable=True)
+        seq = seq[order]
+        counts = torch.bincount(seq, minlength=self.used.shape[0])  # [batch]
+        first = counts.cumsum(0) - counts
+        slot = self.used[seq] + torch.arange(seq.shape[0]) - first[seq]  # [R] scratch row of each
+        self.used += counts
+        parent = frontier.parent_row.to(device)[order.to(device)]
+        if frontier.depth == 1:
+            ancestors = torch.zeros(seq.shape[0], self.ancestors.shape[1], dtype=torch.bool, device=device)
+        else:
+            ancestors = self.ancestors[parent]
+        ancestors[torch.arange(seq.shape[0], device=device), slot.to(device)] = True
+        self.ancestors = torch.empty_like(ancestors)
+        self.ancestors[order.to(device)] = ancestors  # kept in the builder's row order
+
+        present = counts.nonzero().squeeze(1)
+        kv_lens, masks = [], []
+        for b, n, f in zip(present.tolist(), counts[present].tolist(), first[present].tolist(), strict=True):
+            length, used = int(self.cached[b]), int(self.used[b])
+            kv_lens.append(length + used)
+            visible = ancestors[f : f + n, :used]
+            if n == 1 and bool(visible.all()):
+                masks.append(None)  # a chain step: the newest row attends to everything, a decode
+            else:
+                context = torch.ones(n, length, dtype=torch.bool, device=device)
+                masks.append(torch.cat([context, visible], 1))
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), counts[present].cumsum(0)])
+        batch = ForwardBatch(
+            input_ids=frontier.tokens.to(device)[order.to(device)],
+            positions=(self.cached[seq] - 1 + frontier.depth).to(device),
+            cache_rows=(self.start[seq] + self.cached[seq] + slot).to(device),
+            cu_seqlens=tuple(cu.tolist()),
+            kv_starts=tuple(self.start[present].tolist()),
+            kv_lens=tuple(kv_lens),
+            attn_masks=tuple(masks),
+        )
+        logits = self.runner.forward(batch).logits  # [R, vocab] in grouped order
+        self.proposer.forwards += 1
+        out = torch.empty_like(logits)
+        out[order.to(device)] = logits
+        return out
