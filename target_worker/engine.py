@@ -1,0 +1,381 @@
+"""The step engine: continuous batching of requests over one runner, one round per `step()`.
+
+A round (DESIGN.md "One round, in order"; ALGORITHMS.md sections 1-2), as `step` reads:
+
+    trees = drafts.collect(...)             # one per prefilled sequence; untrusted, so checked
+    out = runner.forward(...)               # new prompts' chunks + every tree, one ragged batch
+    res = verify(trees, p, greedy, rand)    # lossless; greedy and sampled rows together
+    cache.commit_paths(...)                 # the accepted paths' K/V follow their roots
+    ... append, stop, free, stream          # the caller gets per-request token deltas
+    drafts.submit(deltas)                   # drafting of the next round overlaps the caller
+
+A sequence without a tree (speculation off, no tree by the deadline, a bad tree) is verified
+with a root-only tree: plain decoding of one token through the same code path. Requests are
+admitted whenever a batch slot and a KV extent are free; a request that could never fit is
+refused at `add_request` with `CacheFullError`.
+
+Features for the drafter (`FeatureSpec.layer_ids`, the inputs of those target layers,
+concatenated) follow the convention that row j of an update's `features` is the target
+hidden state at the position *before* new_tokens[j], the state that predicted it (EAGLE's
+f_i pairs with t_(i+1)); position 0 has none and gets a zero row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import (
+    SpecDecodeCounters,
+    VerifyOutput,
+    VerifyRandoms,
+    draw_verify_randoms,
+    process_logits,
+    verify,
+)
+from proto import CandidateTree, FeatureSpec, SequenceUpdate, TreeBudget, check_trees
+from target_worker.batch import HiddenCapture
+from target_worker.draft_source import DraftSource
+from target_worker.kv_cache import CacheFullError
+from target_worker.runner import ModelRunner
+from target_worker.scheduler import RoundPlan, plan_round, root_only_tree
+from target_worker.sequence import RequestOutput, RequestParams, Sequence
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TREE_BUDGET = TreeBudget(max_nodes=32, max_depth=8, top_k=8)
+_FINISHED_BUDGET = TreeBudget(max_nodes=1, max_depth=0, top_k=0)
+
+
+@dataclass
+class EngineStats:
+    """Counters for benchmarks: vLLM's spec-decode metrics plus the engine's own."""
+
+    spec: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
+    num_rounds: int = 0  # target forwards (one per step)
+    num_output_tokens: int = 0  # tokens streamed to callers
+    num_prefill_tokens: int = 0
+    num_trees: int = 0  # valid trees used
+    num_invalid_trees: int = 0  # dropped: malformed, over budget, wrong root or round
+    num_missing_trees: int = 0  # no tree by the deadline
+
+
+@dataclass
+class Completion:
+    """What `generate` returns per prompt."""
+
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: str | int | None
+    text: str | None
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        draft_source: DraftSource | None = None,
+        *,
+        eos_token_id: int | None,
+        max_batch: int = 16,
+        tree_budget: TreeBudget = DEFAULT_TREE_BUDGET,
+        max_prefill_tokens: int = 512,
+        draft_timeout_s: float | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ):
+        """`draft_source` None = speculation off. `detokenize` is needed for stop strings."""
+        if max_prefill_tokens < 1 or max_batch < 1:
+            raise ValueError("max_batch and max_prefill_tokens must be >= 1")
+        self.runner, self.cache, self.drafts = runner, runner.cache, draft_source
+        self.eos_token_id, self.max_batch, self.tree_budget = eos_token_id, max_batch, tree_budget
+        self.max_prefill_tokens, self.draft_timeout_s = max_prefill_tokens, draft_timeout_s
+        self.detokenize = detokenize
+        self.vocab_size = runner.model.vocab_size
+        self.features = draft_source.feature_spec if draft_source else FeatureSpec()
+        if self.features.projected:
+            raise NotImplementedError(
+                "projected features (the drafter's fc applied on the target) are not served yet"
+            )
+        self.capture = (
+            HiddenCapture(layer_inputs=self.features.layer_ids) if self.features.needs_features else None
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.round = 0
+        self.stats = EngineStats()
+        self._next_id = 0
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: Iterable[int], params: RequestParams | None = None) -> int:
+        """Queues a request; returns its id. CacheFullError if it could never fit."""
+        params = params or RequestParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        if not all(0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt tokens must be in [0, {self.vocab_size})")
+        if params.stop and self.detokenize is None:
+            raise ValueError("stop strings need an engine built with `detokenize`")
+        need, most = self._rows_needed(len(prompt), params), self._max_rows()
+        if need > most:
+            raise CacheFullError(
+                f"request needs {need} KV rows (prompt {len(prompt)} + max_tokens {params.max_tokens} - 1); "
+                f"a sequence can hold at most {most} (max_model_len {self.runner.max_model_len}, "
+                f"KV cache {self.cache.total_rows} rows)"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+        seq = Sequence(self._next_id, params, prompt, len(prompt), generator)
+        self._next_id += 1
+        self.waiting.append(seq)
+        return seq.seq_id
+
+    def abort_request(self, request_id: int) -> None:
+        for seq in [*self.waiting, *self.running]:
+            if seq.seq_id == request_id and not seq.finished:
+                seq.finish_reason = "abort"
+                self._release([seq])
+                if self.drafts is not None and seq.num_sent:
+                    self.drafts.submit([self._delta(seq, _FINISHED_BUDGET, None, finished=True)])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the round -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One round for every running sequence; returns what each gained (token deltas)."""
+        self._admit()
+        if not self.running:
+            return []
+        self.round += 1
+        ready = [s for s in self.running if s.prefilled]
+        # 1. Draft: this round's trees; missing or bad ones become root-only (plain decoding).
+        trees = self.drafts.collect([s.seq_id for s in ready], self.draft_timeout_s) if self.drafts else {}
+        trees = self._checked_trees(ready, trees)
+        plan = plan_round(
+            list(zip(ready, trees, strict=True)),
+            [s for s in self.running if not s.prefilled],
+            self.max_prefill_tokens,
+            self.round,
+            self.capture,
+            self.runner.device,
+        )
+        # 2. One target forward: prompt chunks and every tree, flattened into one ragged batch.
+        out = self.runner.forward(plan.forward)
+        features = self._features(out) if self.capture else None
+        self._count(plan)
+        outputs = []
+        if plan.trees is not None:
+            # 3. Verify every tree against p (after each request's temperature/top-k/top-p).
+            p = self._target_probs(plan, out.logits)
+            res = verify(plan.trees, p, self._is_greedy(plan), self._randoms(plan))
+            # 4. Commit: the accepted paths' K/V move next to their roots; tokens are appended.
+            self.cache.commit_paths(res.accepted_node_ids, plan.root_rows)
+            self.stats.spec.observe(plan.trees.cu_num_draft_tokens, res)
+            outputs = self._append_outputs(plan, res, features)
+        self._fill_prompts(plan, features)
+        # 5. Deltas for the next round's trees, and `finished` for the sequences that ended.
+        finished = [s for s in self.running if s.finished]
+        self._release(finished)
+        self._submit_deltas(finished)
+        return outputs
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Steps until every request is done, yielding each round's outputs."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(
+        self, prompts: list[Iterable[int]], params: RequestParams | list[RequestParams] | None = None
+    ) -> list[Completion]:
+        """Convenience for tests and scripts: runs the prompts (and whatever else is queued) to the end."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, q) for p, q in zip(prompts, per_prompt, strict=True)]
+        tokens: dict[int, list[int]] = {i: [] for i in ids}
+        done: dict[int, RequestOutput] = {}
+        while len(done) < len(ids):
+            for output in self.step():
+                if output.request_id in tokens:
+                    tokens[output.request_id] += output.new_token_ids
+                    if output.finished:
+                        done[output.request_id] = output
+        return [Completion(tokens[i], done[i].finish_reason, done[i].stop_reason, done[i].text) for i in ids]
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def _rows_needed(self, num_prompt: int, params: RequestParams) -> int:
+        """KV rows for plain decoding: the last output token is never cached."""
+        return num_prompt + params.max_tokens - 1
+
+    def _max_rows(self) -> int:
+        return min(self.runner.max_model_len, self.cache.total_rows)
+
+    def _admit(self) -> None:
+        """First come, first served while a batch slot and a KV extent are free."""
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            rows = self._rows_needed(seq.num_prompt, seq.params)
+            if self.drafts is not None:  # room for the largest tree past the context
+                rows = min(rows + self.tree_budget.max_nodes - 1, self._max_rows())
+            try:
+                seq.cache_start = self.cache.allocate(seq.seq_id, rows)
+            except CacheFullError:
+                return  # wait for running sequences to finish and free their extents
+            seq.cache_rows = rows
+            self.running.append(self.waiting.popleft())
+
+    def _release(self, finished: list[Sequence]) -> None:
+        for seq in finished:
+            if seq in self.running:
+                self.running.remove(seq)
+                self.cache.free(seq.seq_id)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+
+    # ---- trees ---------------------------------------------------------------------------
+
+    def _checked_trees(
+        self, ready: list[Sequence], received: dict[int, CandidateTree]
+    ) -> list[CandidateTree]:
+        """The tree each sequence verifies: the drafter's if it is sound, else root-only."""
+        pairs = [(s, received[s.seq_id]) for s in ready if s.seq_id in received]
+        errors = (
+            check_trees([t for _, t in pairs], [s.budget for s, _ in pairs], self.vocab_size) if pairs else []
+        )
+        good = {}
+        for (seq, tree), error in zip(pairs, errors, strict=True):
+            if error is None and tree.round != seq.tree_round:
+                error = f"tree for round {tree.round}, expected round {seq.tree_round}"
+            elif error is None and int(tree.tokens[0]) != seq.tokens[-1]:
+                error = f"root token {int(tree.tokens[0])} is not the last committed token {seq.tokens[-1]}"
+            if error is None:
+                good[seq.seq_id] = tree
+            else:
+                self.stats.num_invalid_trees += 1
+                log.debug("dropped the tree of sequence %d: %s", seq.seq_id, error)
+        self.stats.num_trees += len(good)
+        if self.drafts is not None:
+            self.stats.num_missing_trees += len(ready) - len(pairs)
+        return [good[s.seq_id] if s.seq_id in good else root_only_tree(s, self.round) for s in ready]
+
+    def _submit_deltas(self, finished: list[Sequence]) -> None:
+        if self.drafts is None:
+            return
+        updates = []
+        for seq in self.running:
+            if not seq.prefilled:
+                continue
+            seq.budget, seq.tree_round = seq.tree_budget(self.tree_budget), self.round + 1
+            features = torch.cat(seq.unsent_features) if self.capture else None
+            updates.append(self._delta(seq, seq.budget, features, finished=False))
+        updates += [self._delta(s, _FINISHED_BUDGET, None, finished=True) for s in finished if s.num_sent]
+        if updates:
+            self.drafts.submit(updates)
+
+    def _delta(
+        self, seq: Sequence, budget: TreeBudget, features: torch.Tensor | None, finished: bool
+    ) -> SequenceUpdate:
+        update = SequenceUpdate(
+            seq_id=seq.seq_id,
+            round=self.round + 1,
+            new_tokens=torch.tensor(seq.tokens[seq.num_sent :], dtype=torch.int64),
+            sampling=seq.params.sampling,
+            budget=budget,
+            features=features,
+            finished=finished,
+            reset=seq.num_sent == 0,
+        )
+        seq.num_sent, seq.unsent_features = len(seq.tokens), []
+        return update
+
+    # ---- verification and commit ---------------------------------------------------------
+
+    def _target_probs(self, plan: RoundPlan, logits: torch.Tensor) -> torch.Tensor:
+        """p for every tree node: [total_nodes, vocab], each node under its request's params."""
+        cu = plan.trees.cu_num_draft_tokens
+        sizes = cu[1:] - cu[:-1]
+        params = [s.params for s in plan.verified]
+
+        def per_node(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=cu.device).repeat_interleave(sizes)
+
+        return process_logits(
+            logits[: int(cu[-1])],
+            per_node([q.temperature for q in params], torch.float32),
+            per_node([q.top_k for q in params], torch.int64),
+            per_node([q.top_p for q in params], torch.float32),
+            per_node([q.min_p for q in params], torch.float32),
+        )
+
+    def _is_greedy(self, plan: RoundPlan) -> torch.Tensor:
+        greedy = [s.params.temperature == 0 for s in plan.verified]
+        return torch.tensor(greedy, dtype=torch.bool, device=self.runner.device)
+
+    def _randoms(self, plan: RoundPlan) -> VerifyRandoms | None:
+        """Per-request generators: a seeded request draws the same numbers in any batch."""
+        if all(s.params.temperature == 0 for s in plan.verified):
+            return None
+        generators = [s.generator for s in plan.verified]
+        return draw_verify_randoms(
+            plan.trees.cu_num_draft_tokens, self.vocab_size, generators, self.runner.device
+        )
+
+    def _append_outputs(
+        self, plan: RoundPlan, res: VerifyOutput, features: torch.Tensor | None
+    ) -> list[RequestOutput]:
+        num_output = res.num_output_tokens.tolist()
+        output_ids = res.output_token_ids.tolist()
+        accepted = res.accepted_node_ids.tolist()
+        cu = plan.forward.cu_seqlens
+        outputs = []
+        for b, seq in enumerate(plan.verified):
+            if features is not None:
+                # Rows that predicted each new token: prompt chunk rows before the root, the
+                # root, then the accepted nodes (all but the last new token's predecessor).
+                root = cu[b + 1] - 1 if plan.forward.attn_masks[b] is None else cu[b]
+                path = [root + node for node in accepted[b][: num_output[b] - 1]]
+                self._keep_features(seq, features[[*range(cu[b], root + 1), *path]])
+            # The root and the accepted nodes are now cached; the last new token is the next root.
+            seq.num_cached = len(seq.tokens) + num_output[b] - 1
+            new = seq.append(output_ids[b][: num_output[b]], self.eos_token_id, self.detokenize)
+            self.stats.num_output_tokens += len(new)
+            outputs.append(
+                RequestOutput(
+                    request_id=seq.seq_id,
+                    new_token_ids=new,
+                    finished=seq.finished,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    text=seq.text if self.detokenize else None,
+                )
+            )
+        return outputs
+
+    def _fill_prompts(self, plan: RoundPlan, features: torch.Tensor | None) -> None:
+        """Prompt chunks that stopped short of the root: their tokens are now cached."""
+        cu = plan.forward.cu_seqlens
+        for i, seq in enumerate(plan.filled, start=len(plan.verified)):
+            if features is not None:
+                self._keep_features(seq, features[cu[i] : cu[i + 1]])
+            seq.num_cached += cu[i + 1] - cu[i]
+
+    def _features(self, out) -> torch.Tensor:
+        """[T, width] drafter features of every token in the forward, in the agreed dtype."""
+        layers = [out.layer_inputs[layer] for layer in self.features.layer_ids]
+        return torch.cat(layers, dim=-1).to(getattr(torch, self.features.dtype))
+
+    def _keep_features(self, seq: Sequence, rows: torch.Tensor) -> None:
+        if seq.num_cached == 0:  # the first token has no predecessor: a zero row
+            seq.unsent_features.append(rows.new_zeros(1, rows.shape[1]))
+        seq.unsent_features.append(rows)
+
+    def _count(self, plan: RoundPlan) -> None:
+        self.stats.num_rounds += 1
+        self.stats.num_prefill_tokens += plan.num_prefill_tokens

@@ -1,0 +1,90 @@
+"""What each running sequence contributes to a round's one forward, and where its results are.
+
+Every sequence that reaches its root this round is *verified*: a prefilled one with its tree
+(root-only when it has no draft: one decode token), or one whose final prompt chunk ends at
+its root (a chain whose last logits row is the root's). Prompt chunks that stop short of the
+root only fill the cache. Verified sequences come first, so their logits rows are the first
+rows the forward returns:
+
+    chunks:       A tree (4 nodes) | B decode | C last prompt chunk | D prompt chunk (partial)
+    logits rows:  a0 a1 a2 a3      | b0       | c_last              | d_last (unused)
+    verify nodes: a0 a1 a2 a3        b0         c_last                = PackedTrees node order
+
+A prefill token budget per round bounds how much prompt work joins the decodes, so a long
+prompt is chunked over several rounds instead of stalling every running sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import PackedTrees, pack_trees
+from proto import CandidateTree, DraftSampling
+from target_worker.batch import ForwardBatch, HiddenCapture, SequenceChunk, build_forward_batch
+from target_worker.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    forward: ForwardBatch
+    verified: list[Sequence]  # [B] sequences verified this round, in tree order
+    trees: PackedTrees | None  # [B] their trees (None if B = 0); logits rows 0 .. total_nodes - 1, node order
+    root_rows: torch.Tensor  # [B] int64; cache row of each tree's root
+    filled: list[Sequence]  # sequences whose prompt chunk stops short of the root (chunks after the B)
+    num_prefill_tokens: int  # prompt tokens in this forward (final and partial chunks)
+
+
+def root_only_tree(seq: Sequence, round: int) -> CandidateTree:
+    """No draft tokens: verifying it is plain decoding of one token."""
+    return CandidateTree(
+        seq_id=seq.seq_id,
+        round=round,
+        tokens=torch.tensor(seq.tokens[-1:], dtype=torch.int64),
+        parents=torch.tensor([-1], dtype=torch.int64),
+        q_nodes=torch.empty(0, dtype=torch.int64),
+        q_token_ids=torch.empty(0, 0, dtype=torch.int64),
+        q_probs=torch.empty(0, 0, dtype=torch.float32),
+        sampling=DraftSampling.DETERMINISTIC,
+    )
+
+
+def plan_round(
+    decoding: list[tuple[Sequence, CandidateTree]],  # prefilled sequences and this round's trees
+    prefilling: list[Sequence],  # the others, in admission order
+    max_prefill_tokens: int,
+    round: int,
+    capture: HiddenCapture | None,
+    device: torch.device,
+) -> RoundPlan:
+    verified, trees, chunks = [], [], []
+    for seq, tree in decoding:
+        parents = tree.parents if tree.num_nodes > 1 else None  # one node: a decode, no mask needed
+        chunks.append(SequenceChunk(seq.cache_start, seq.num_cached, tree.tokens, parents=parents))
+        verified.append(seq)
+        trees.append(tree)
+    partial, partial_chunks, budget = [], [], max_prefill_tokens
+    for seq in prefilling:
+        take = min(budget, len(seq.tokens) - seq.num_cached)
+        if take <= 0:
+            break
+        budget -= take
+        ids = torch.tensor(seq.tokens[seq.num_cached : seq.num_cached + take], dtype=torch.int64)
+        chunk = SequenceChunk(seq.cache_start, seq.num_cached, ids)
+        if seq.num_cached + take == len(seq.tokens):  # reaches the root: its last row is a decode
+            chunks.append(chunk)
+            verified.append(seq)
+            trees.append(root_only_tree(seq, round))
+        else:
+            partial.append(seq)
+            partial_chunks.append(chunk)
+    root_rows = [s.cache_start + len(s.tokens) - 1 for s in verified]
+    return RoundPlan(
+        forward=build_forward_batch(chunks + partial_chunks, capture=capture, device=device),
+        verified=verified,
+        trees=pack_trees(trees, device=device) if trees else None,
+        root_rows=torch.tensor(root_rows, dtype=torch.int64, device=device),
+        filled=partial,
+        num_prefill_tokens=max_prefill_tokens - budget,
+    )

@@ -1,0 +1,143 @@
+"""One request inside the engine: what was asked, what it holds, and when it stops.
+
+A sequence's tokens, seen from the KV cache and the drafter:
+
+    tokens:   p0 p1 ... p(P-1) o0 o1 ... o(k-1)      prompt, then output so far
+              |-------- cached (num_cached) ------|root|   root = tokens[-1], K/V not yet cached
+              |--- sent to the drafter (num_sent) ---|--- unsent delta ---|
+
+While prefilling, num_cached < len(tokens) - 1 and prompt chunks are cached round by round;
+the chunk that reaches the last prompt token is a plain decode of it, which gives the first
+output token. From then on every round verifies one tree rooted at tokens[-1] and appends
+accepted + (recovered or bonus) tokens, so num_cached == len(tokens) - 1 after each round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from proto import SamplingParams, TreeBudget
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """Per-request generation settings (vLLM's SamplingParams, the subset the engine serves)."""
+
+    max_tokens: int = 16  # output tokens at most, EOS excluded
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0  # 1 = disabled
+    min_p: float = 0.0  # 0 = disabled
+    seed: int | None = None  # a seeded request samples the same tokens whatever it is batched with
+    stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized output; not part of `text`
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_tokens < 1:
+            problems.append(f"max_tokens = {self.max_tokens} must be >= 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            problems.append(f"temperature = {self.temperature} must be finite and >= 0")
+        if self.top_k < 0:
+            problems.append(f"top_k = {self.top_k} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p = {self.top_p} must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            problems.append(f"min_p = {self.min_p} must be in [0, 1]")
+        if any(not s for s in self.stop):
+            problems.append("stop strings must be non-empty")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """What the drafter is told, so its q goes through the same processing as p."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
+
+
+@dataclass
+class RequestOutput:
+    """One request's share of a round: the tokens it gained, and whether it is done."""
+
+    request_id: int
+    new_token_ids: list[int]  # output tokens committed this round, in order (may be empty)
+    finished: bool = False
+    finish_reason: str | None = None  # "length" (max_tokens), "stop" (EOS or a stop string), "abort"
+    stop_reason: str | int | None = None  # the matched stop string, or the EOS token id
+    text: str | None = None  # the whole output so far, when the engine has a detokenizer
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    params: RequestParams
+    tokens: list[int]  # prompt + output; the last one is the root once prefilled
+    num_prompt: int
+    generator: torch.Generator | None  # per-request stream for verification's random numbers
+    cache_start: int = -1  # first row of the KV extent; -1 until admitted
+    cache_rows: int = 0  # rows in the extent
+    num_cached: int = 0  # tokens whose K/V is in the cache
+    num_sent: int = 0  # tokens the drafter has been given
+    unsent_features: list[torch.Tensor] = field(default_factory=list)  # [*, width] rows of tokens[num_sent:]
+    budget: TreeBudget | None = None  # sent with the last update; the tree for `tree_round` must fit it
+    tree_round: int = -1  # the round the drafter was asked to answer; -1 = none asked
+    text: str = ""  # detokenized output, kept only when stop strings need it
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def prefilled(self) -> bool:
+        """The root is the only token whose K/V is not cached: this round verifies a tree."""
+        return self.num_cached == len(self.tokens) - 1
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def tree_budget(self, limit: TreeBudget) -> TreeBudget:
+        """This round's budget: no more nodes than the extent has rows, no deeper than useful."""
+        rows_left = self.cache_rows - self.num_cached  # the root and every node take a row
+        useful_depth = self.params.max_tokens - len(self.output_ids) - 1  # the last output is recovered/bonus
+        depth = max(0, min(limit.max_depth, useful_depth))
+        nodes = min(limit.max_nodes, rows_left) if depth else 1
+        return TreeBudget(max_nodes=nodes, max_depth=depth, top_k=limit.top_k)
+
+    def append(
+        self, new_tokens: list[int], eos_token_id: int | None, detokenize: Callable[[list[int]], str] | None
+    ) -> list[int]:
+        """Appends verified tokens up to the first stop; returns those to stream (EOS is not)."""
+        emitted = []
+        for token in new_tokens:
+            if token == eos_token_id and not self.params.ignore_eos:
+                self.finish_reason, self.stop_reason = "stop", token
+                break
+            self.tokens.append(token)
+            emitted.append(token)
+            if self.params.stop and self._hit_stop_string(detokenize):
+                break
+            if len(self.output_ids) >= self.params.max_tokens:
+                self.finish_reason = "length"
+                break
+        return emitted
+
+    def _hit_stop_string(self, detokenize: Callable[[list[int]], str] | None) -> bool:
+        if detokenize is None:
+            raise ValueError("stop strings need an engine built with a detokenizer")
+        previous, self.text = self.text, detokenize(self.output_ids)
+        # The earlier text held no stop string, so a match must end in the new characters.
+        since = max(0, len(previous) - max(len(s) for s in self.params.stop) + 1)
+        hits = [(at, s) for s in self.params.stop if (at := self.text.find(s, since)) >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        self.text = self.text[:at]
+        self.finish_reason, self.stop_reason = "stop", stop
+        return True
