@@ -1,0 +1,168 @@
+"""The gRPC draft client end to end: greedy output through a remote draft server equals
+speculation off, for every registered proposer, with several concurrent sequences; and it
+stays equal when the server is late, answers garbage, lies at the handshake, goes away, or
+comes back (re-sync); sequences stick to one of several servers and move when it fails.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from draft_client_testlib import (
+    MAX_NEW_TOKENS,
+    DelayedProposer,
+    ScriptedDrafter,
+    StopAfter,
+    client,
+    encode_prompts,
+    garbage_trees,
+    honest_handshake,
+    load_runner,
+    start_scripted,
+    start_server,
+    target_handshake,
+)
+from spec_loop_testlib import LoopStats, greedy_generate
+
+import draft_worker
+from draft_worker.server_cli import build_server_proposer
+from proto import HandshakeMismatchError
+from target_worker.draft_client import DraftClientConfig, RemoteDraftSource
+
+METHODS = [m for m in draft_worker.known_methods() if not m.startswith("test_")]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_family):
+    return load_runner(tiny_family.target_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_family):
+    return encode_prompts(tiny_family.tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def plain(runner, prompts):
+    return greedy_generate(runner, prompts, MAX_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_through_a_remote_drafter_equals_plain(tiny_family, runner, prompts, plain, method):
+    proposer = build_server_proposer(
+        method, {"num_speculative_tokens": 4}, tiny_family.draft_dir, tiny_family.tokenizer_dir
+    )
+    if proposer.feature_spec.needs_features:
+        pytest.skip(
+            f"{method} needs target features ({proposer.feature_spec}); the test loop captures none yet"
+        )
+    server = start_server(tiny_family, method, proposer=proposer)
+    source = client(tiny_family, [f"127.0.0.1:{server.port}"], round_deadline_s=5.0)
+    try:
+        assert source.wait_ready(10)
+        stats = LoopStats()
+        assert greedy_generate(runner, prompts, MAX_NEW_TOKENS, source, timeout_s=5.0, stats=stats) == plain
+        counters = source.counters
+        assert counters.trees_received == stats.trees_used > 0
+        assert counters.trees_invalid == counters.trees_missing == 0
+        assert server.stats.batches < counters.trees_received  # sequences were drafted together
+    finally:
+        source.close()
+        server.stop(1)
+
+
+def test_late_server_costs_speculation_not_correctness(tiny_family, runner, prompts, plain):
+    proposer = build_server_proposer(
+        "ngram", {"num_speculative_tokens": 4}, tiny_family.draft_dir, tiny_family.tokenizer_dir
+    )
+    server = start_server(tiny_family, proposer=DelayedProposer(proposer, delay_s=0.05))
+    source = client(tiny_family, [f"127.0.0.1:{server.port}"])
+    try:
+        assert source.wait_ready(10)
+        assert greedy_generate(runner, prompts, MAX_NEW_TOKENS, source, timeout_s=0.005) == plain
+        assert source.counters.trees_missing > 0 and source.counters.trees_invalid == 0
+    finally:
+        source.close()
+        server.stop(1)
+    assert source.counters.trees_late > 0
+
+
+def test_garbage_trees_are_dropped_and_counted(tiny_family, runner, prompts, plain):
+    request = target_handshake(tiny_family)
+    drafter = ScriptedDrafter(honest_handshake(request), lambda u: garbage_trees(u, request.vocab_size))
+    server, port = start_scripted(drafter)
+    source = client(tiny_family, [f"127.0.0.1:{port}"])
+    try:
+        assert source.wait_ready(10)
+        stats = LoopStats()
+        assert greedy_generate(runner, prompts, MAX_NEW_TOKENS, source, stats=stats) == plain
+        assert stats.trees_used == source.counters.trees_received == 0
+        assert source.counters.trees_invalid == stats.submitted
+    finally:
+        source.close()
+        server.stop(None)
+
+
+def test_a_lying_handshake_is_refused_clearly(tiny_family, runner, prompts, plain):
+    request = target_handshake(tiny_family)
+    lie = honest_handshake(request, vocab_size=request.vocab_size + 1, vocab_fingerprint="0" * 64)
+    server, port = start_scripted(ScriptedDrafter(lie, lambda u: []))
+    source = client(tiny_family, [f"127.0.0.1:{port}"])
+    try:
+        with pytest.raises(HandshakeMismatchError) as refused:
+            source.wait_ready(10)
+        message = str(refused.value)
+        assert "vocab_size" in message and "vocab_fingerprint" in message and "tokenizers differ" in message
+        assert greedy_generate(runner, prompts, MAX_NEW_TOKENS, source) == plain  # unspeculated
+        assert source.counters.handshake_refusals >= 1 and source.counters.trees_received == 0
+    finally:
+        source.close()
+        server.stop(None)
+
+
+def test_the_server_refuses_a_mismatched_target_too(tiny_family):
+    server = start_server(tiny_family)
+    wrong = target_handshake(tiny_family, vocab_fingerprint="f" * 64)
+    source = RemoteDraftSource([f"127.0.0.1:{server.port}"], wrong, DraftClientConfig(connect_timeout_s=1.0))
+    try:
+        with pytest.raises(HandshakeMismatchError, match="vocab_fingerprint"):
+            source.wait_ready(10)
+    finally:
+        source.close()
+        server.stop(1)
+
+
+def test_sticky_routing_and_moving_off_a_failed_worker(tiny_family, runner, prompts, plain):
+    servers = [start_server(tiny_family) for _ in range(2)]
+    source = client(tiny_family, [f"127.0.0.1:{s.port}" for s in servers], round_deadline_s=5.0)
+    try:
+        wait_all_healthy(source)
+        many = prompts * 4  # 16 sequences over 2 workers
+        assert greedy_generate(runner, many, 8, source, timeout_s=5.0) == [p[:8] for p in plain * 4]
+        assert all(s.stats.trees_sent > 0 for s in servers)  # the hash spread the sequences
+        assert source.counters.resyncs == 0  # and each stayed on its worker
+        received = source.counters.trees_received
+        stats = LoopStats()
+        failing = StopAfter(source, 3, lambda: servers[0].stop(1))
+        assert (
+            greedy_generate(
+                runner, many, MAX_NEW_TOKENS, failing, timeout_s=5.0, seq_id_base=100, stats=stats
+            )
+            == plain * 4
+        )
+        assert source.counters.resyncs > 0  # the moved sequences were re-sent whole
+        assert source.counters.trees_invalid == 0
+        assert (
+            source.counters.trees_received - received == stats.trees_used > stats.rounds
+        )  # still speculating
+    finally:
+        source.close()
+        servers[1].stop(1)
+
+
+def wait_all_healthy(source: RemoteDraftSource) -> None:
+    deadline = time.monotonic() + 10
+    while not all(e.healthy for e in source.endpoints):
+        assert time.monotonic() < deadline, [e.last_error for e in source.endpoints]
+        time.sleep(0.01)
