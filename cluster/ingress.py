@@ -1,0 +1,310 @@
+"""The OpenAI-compatible HTTP ingress: text in, token ids to the target, text (or SSE) out.
+
+Its four jobs, and nothing else (STYLE.md rule 12):
+
+1. check each request (OpenAI's ranges, the served model's name, the context length) and
+   answer errors in OpenAI's JSON shape with the right status;
+2. turn prompts and chat messages into token ids (the tokenizer's chat template);
+3. fan `n` choices out to the target deployment as streams of token ids, and turn those
+   back into text, cutting at stop strings;
+4. serve `/v1/models`, `/health` and `/metrics`.
+
+Overload is answered, never queued without bound: the target refuses a request when its own
+queue is full (`EngineOverloaded`) and Serve refuses one past `max_queued_requests`
+(`BackPressureError`); both become 429 before any byte of the response is sent, because every
+target stream opens with an empty "admitted" chunk that the ingress awaits first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+
+from cluster.engine_loop import EngineOverloaded
+from cluster.metrics import Metrics
+from cluster.openai_api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    chunk_body,
+    completion_body,
+    new_id,
+    usage,
+    validation_error,
+)
+from cluster.served_model import ServedModel
+from cluster.text import Detokenizer, apply_chat_template, load_tokenizer
+
+log = logging.getLogger(__name__)
+app = FastAPI(title="Outrider", description="OpenAI-compatible speculative decoding")
+
+
+@serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024)
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, target, model: ServedModel, default_max_tokens: int, chat_template: str | None = None):
+        self.target, self.model, self.default_max_tokens = target, model, default_max_tokens
+        self.tokenizer = load_tokenizer(model.tokenizer_dir, chat_template)
+        self.metrics = Metrics(model.name)
+
+    # ------------------------------------------------------------------ routes
+
+    @app.get("/v1/models")
+    async def models(self) -> JSONResponse:
+        card = {
+            "id": self.model.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "outrider",
+            "max_model_len": self.model.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(self.target.ping.remote(), timeout=10)
+        except Exception as e:  # any failure to reach a target replica means unhealthy
+            return JSONResponse(ApiError(503, f"target unavailable: {e}").body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        try:  # one replica's fresh snapshot; the others' latest arrived with their requests
+            self.metrics.snapshot(await asyncio.wait_for(self.target.stats.remote(), timeout=5))
+        except Exception as e:  # a scrape must still answer with what is known
+            log.warning("metrics: no fresh target snapshot (%s)", e)
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ChatCompletionRequest, chat=True)
+
+    # ------------------------------------------------------------------ one request
+
+    async def _serve(self, request: Request, schema: type[SamplingFields], chat: bool) -> Response:
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
+            if not isinstance(body, dict):
+                raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+            try:
+                req = schema.model_validate(body)
+            except ValidationError as e:
+                raise validation_error(e.errors()) from e
+            if req.model != self.model.name:
+                raise ApiError(
+                    400,
+                    f"model {req.model!r} is not served here; use {self.model.name!r}",
+                    "model",
+                    "model_not_found",
+                )
+            prompt_ids = self._prompt_ids(req, chat)
+            max_tokens = self._max_tokens(req, len(prompt_ids), chat)
+            streams = [self._open(prompt_ids, req, max_tokens, i) for i in range(req.n)]
+            opened = await asyncio.gather(*streams, return_exceptions=True)
+            failure = next((o for o in opened if isinstance(o, BaseException)), None)
+            if failure is not None:
+                for o in opened:
+                    if not isinstance(o, BaseException):
+                        o.cancel()
+                raise _as_api_error(failure)
+        except ApiError as e:
+            self.metrics.error(e.status)
+            return e.response()
+        request_id = new_id("chatcmpl" if chat else "cmpl")
+        if req.stream:
+            events = self._stream(request_id, req, opened, len(prompt_ids), chat)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await self._whole(request_id, req, opened, len(prompt_ids), chat)
+
+    def _prompt_ids(self, req: SamplingFields, chat: bool) -> list[int]:
+        if chat:
+            try:
+                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            except ValueError as e:
+                raise ApiError(400, f"messages: {e}", "messages") from e
+            ids, field = apply_chat_template(self.tokenizer, messages), "messages"
+        elif isinstance(req.prompt, str):
+            ids, field = self.tokenizer.encode(req.prompt, add_special_tokens=False), "prompt"
+        else:
+            ids, field = list(req.prompt), "prompt"
+            bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
+            if bad:
+                raise ApiError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary", "prompt")
+        if not ids:
+            raise ApiError(400, f"{field}: the prompt is empty", field)
+        if len(ids) >= self.model.max_model_len:
+            raise ApiError(
+                400,
+                f"{field}: the prompt is {len(ids)} tokens; this model's context is {self.model.max_model_len} "
+                "tokens, including at least one output token",
+                field,
+                "context_length_exceeded",
+            )
+        return ids
+
+    def _max_tokens(self, req: SamplingFields, prompt_len: int, chat: bool) -> int:
+        room = self.model.max_model_len - prompt_len
+        asked = req.output_budget if chat else req.max_tokens
+        if asked is None:
+            return min(self.default_max_tokens, room)
+        if asked > room:
+            field = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
+            raise ApiError(
+                400,
+                f"{field}: {prompt_len} prompt tokens + {asked} output tokens exceed this model's context of "
+                f"{self.model.max_model_len} tokens",
+                field,
+                "context_length_exceeded",
+            )
+        return asked
+
+    async def _open(self, prompt_ids: list[int], req: SamplingFields, max_tokens: int, index: int):
+        """Start one choice on the target; returns once the target admitted it."""
+        sampling = {
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": max(req.top_k, 0),
+            # n choices with one seed must differ, and stay reproducible.
+            "seed": None if req.seed is None else req.seed + index,
+        }
+        stream = self.target.options(stream=True).generate.remote(
+            {"prompt_token_ids": prompt_ids, "max_tokens": max_tokens, "sampling": sampling}
+        )
+        first = await stream.__anext__()  # the "admitted" chunk, or the overload error
+        assert first.get("admitted"), "the target's stream must open with an admitted chunk"
+        return stream
+
+    async def _choice(self, stream, req: SamplingFields) -> AsyncIterator[tuple[str, int, str | None]]:
+        """(text delta, tokens in it, finish reason or None) until the choice ends."""
+        detok = Detokenizer(self.tokenizer, list(req.stop))
+        reason = None
+        async for chunk in stream:
+            text = detok.add(chunk["token_ids"])
+            reason = chunk.get("finish_reason")
+            if chunk.get("snapshot"):
+                self.metrics.snapshot(chunk["snapshot"])
+            if detok.stopped:
+                stream.cancel()  # frees the sequence's batch slot now
+                yield text, len(chunk["token_ids"]), "stop"
+                return
+            yield (text + detok.flush() if reason else text), len(chunk["token_ids"]), reason
+            if reason:
+                return
+
+    async def _whole(self, request_id: str, req, streams: list, prompt_len: int, chat: bool) -> Response:
+        start = time.monotonic()
+
+        async def collect(index: int, stream) -> tuple[dict[str, Any], int, list[float]]:
+            parts, times, reason = [], [], "length"
+            async for text, n, finished in self._choice(stream, req):
+                parts.append(text)
+                times.extend([time.monotonic()] * n)
+                reason = finished or reason
+            text = "".join(parts)
+            choice = {"index": index, "finish_reason": reason, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = (self._echo(req) + text) if req.echo else text
+            return choice, len(times), times
+
+        try:
+            results = await asyncio.gather(*(collect(i, s) for i, s in enumerate(streams)))
+        except Exception as e:  # a replica died mid-request: OpenAI's shape, not a traceback
+            error = _as_api_error(e)
+            self.metrics.error(error.status)
+            return error.response()
+        for choice, _, times in results:
+            self.metrics.request_done(prompt_len, times, start, choice["finish_reason"])
+        completion_tokens = sum(n for _, n, _ in results)
+        body = completion_body(
+            request_id,
+            self.model.name,
+            [c for c, _, _ in results],
+            usage(prompt_len, completion_tokens),
+            chat,
+        )
+        return JSONResponse(body)
+
+    async def _stream(self, request_id: str, req, streams: list, prompt_len: int, chat: bool):
+        start = time.monotonic()
+        merged: asyncio.Queue = asyncio.Queue()
+        counts = [0] * len(streams)
+
+        async def pump(index: int, stream) -> None:
+            times: list[float] = []
+            reason = "abort"
+            try:
+                if chat:
+                    await merged.put((index, {"role": "assistant", "content": ""}, None))
+                elif req.echo:
+                    await merged.put((index, self._echo(req), None))
+                async for text, n, finished in self._choice(stream, req):
+                    times.extend([time.monotonic()] * n)
+                    counts[index] += n
+                    reason = finished or reason
+                    if text or finished:
+                        await merged.put((index, {"content": text} if chat else text, finished))
+            except Exception as e:  # reported in-band: the 200 status is already sent
+                await merged.put((index, _as_api_error(e), None))
+            finally:
+                self.metrics.request_done(prompt_len, times, start, reason)
+                await merged.put(None)
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            open_streams = len(streams)
+            while open_streams:
+                item = await merged.get()
+                if item is None:
+                    open_streams -= 1
+                    continue
+                index, payload, finished = item
+                if isinstance(payload, ApiError):
+                    yield _sse(payload.body())
+                    continue
+                key = "delta" if chat else "text"
+                choice = {"index": index, key: payload, "finish_reason": finished, "logprobs": None}
+                yield _sse(chunk_body(request_id, self.model.name, [choice], chat))
+            if req.include_usage_in_stream:
+                yield _sse(chunk_body(request_id, self.model.name, [], chat, usage(prompt_len, sum(counts))))
+            yield "data: [DONE]\n\n"
+        finally:
+            for task, stream in zip(tasks, streams, strict=True):
+                task.cancel()  # the client went away: stop generating
+                stream.cancel()
+
+    def _echo(self, req: CompletionRequest) -> str:
+        return req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(req.prompt)
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _as_api_error(error: BaseException) -> ApiError:
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, (EngineOverloaded, BackPressureError)):
+        return ApiError(429, "the server is at capacity; retry later", code="overloaded")
+    log.error("request failed: %s: %s", type(error).__name__, error)
+    return ApiError(500, f"internal error: {type(error).__name__}")

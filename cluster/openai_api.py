@@ -1,0 +1,172 @@
+"""OpenAI's wire format: request models with their ranges, response builders, the error shape.
+
+Ranges follow OpenAI's API reference (temperature in [0, 2], top_p in (0, 1], n >= 1) and
+vLLM's extensions (top_k, with 0 or -1 = off). A request outside them is a 400 whose `param`
+names the field, like OpenAI's own:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_N = 16  # choices per request: each is a sequence in the batch, so bound the fan-out
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    # Unknown fields (logprobs, presence_penalty, user, ...) are accepted and ignored, as
+    # vLLM does, so clients that always send them keep working.
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop must be up to 4 non-empty strings")
+        return stops
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int]:
+        # A list of strings is a batch of prompts in OpenAI's API; one prompt per request here.
+        if isinstance(value, list) and value and isinstance(value[0], str):
+            if len(value) != 1:
+                raise ValueError("one prompt per request (send a batch as separate requests)")
+            return value[0]
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt is empty")
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message's text; content parts of type `text` are joined."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"content part of type {part.get('type')!r} is not supported; only 'text'")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's name for OpenAI's newer field; either sets the output budget.
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def output_budget(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class ApiError(Exception):
+    """An error that becomes OpenAI's JSON error body with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or _KINDS.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+_KINDS = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    429: "rate_limit_exceeded",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+def validation_error(errors: list[dict[str, Any]]) -> ApiError:
+    """FastAPI's RequestValidationError list -> one 400 naming the first bad field."""
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid value"))
+    return ApiError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(
+    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int] | None, chat: bool
+) -> dict[str, Any]:
+    """A whole response (`choices` hold `text` or `message`) or one stream chunk (`delta`)."""
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": ("chat.completion" if chat else "text_completion"),
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def chunk_body(request_id: str, model: str, choices: list[dict[str, Any]], chat: bool, usage_=None) -> dict:
+    body = completion_body(request_id, model, choices, usage_, chat)
+    if chat:
+        body["object"] = "chat.completion.chunk"
+    return body

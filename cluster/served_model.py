@@ -1,0 +1,63 @@
+"""What is being served, resolved once in `build_app` and handed to every deployment.
+
+`OutriderArgs` says "the small demo" or "this folder"; `ServedModel` is the answer: the
+folders, the name clients use, the context length and the EOS id. Resolving it in the driver
+means the demo family is built (or found) once, before any replica starts, and every
+replica agrees on the same paths.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.config import OutriderArgs
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str  # the `model` field clients send
+    target_dir: str
+    tokenizer_dir: str
+    draft_dir: str | None  # the demo family's draft LM, for model-based drafting
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+
+
+def resolve_model(args: OutriderArgs, progress: bool = False) -> ServedModel:
+    if args.model:
+        target, draft = Path(args.model), None
+        tokenizer = Path(args.tokenizer or args.model)
+        default_name = target.resolve().name
+    else:
+        from cluster.demo.family import ensure_demo_family
+
+        family = ensure_demo_family(args.demo, progress=progress)
+        target, draft = family.target_dir, family.draft_dir
+        tokenizer = Path(args.tokenizer) if args.tokenizer else family.tokenizer_dir
+        default_name = f"outrider-demo-{args.demo}"
+    config = json.loads((target / "config.json").read_text())
+    context = int(config.get("max_position_embeddings", 2048))
+    max_len = min(args.engine.max_model_len or context, context)
+    return ServedModel(
+        name=args.served_model_name or default_name,
+        target_dir=str(target),
+        tokenizer_dir=str(tokenizer),
+        draft_dir=str(draft) if draft else None,
+        max_model_len=max_len,
+        vocab_size=int(config["vocab_size"]),
+        eos_token_id=_eos(config, tokenizer),
+    )
+
+
+def _eos(config: dict, tokenizer_dir: Path) -> int | None:
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):  # Llama 3 lists several; the engine stops on the first here
+        eos = eos[0] if eos else None
+    if eos is None:
+        generation = tokenizer_dir / "generation_config.json"
+        if generation.is_file():
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+    return int(eos) if eos is not None else None

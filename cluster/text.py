@@ -1,0 +1,87 @@
+"""Text at the API edge: the served tokenizer, its chat template, and streaming detokenization.
+
+The engine works in token ids only; the ingress turns prompts into ids and output ids back
+into text. Stop strings are matched here, on text, because a stop string may span tokens
+(and a token may end in the middle of one): text is held back while it could still be the
+start of a stop string, and a request that hits one is cancelled in the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The demo tokenizer is trained on Python source and ships no chat template; this one lays a
+# conversation out as comments, which the demo target continues as naturally as anything.
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "# {{ message['role'] }}: {{ message['content'] }}\n"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}# assistant:{%- endif -%}"
+)
+
+
+def load_tokenizer(path: str | Path, chat_template: str | None = None):
+    """AutoTokenizer for `path`; the chat template is the override, the tokenizer's own, or the default."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    elif not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tokenizer
+
+
+def apply_chat_template(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class Detokenizer:
+    """Output ids -> text deltas, holding back what might be an incomplete character or a stop string."""
+
+    tokenizer: object
+    stops: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    sent: int = 0  # characters of the decoded text already returned
+    stopped: bool = False
+
+    def add(self, token_ids: list[int]) -> str:
+        """The new text that is safe to send; sets `stopped` when a stop string appeared."""
+        if self.stopped:
+            return ""
+        self.ids.extend(token_ids)
+        # Decoding the whole output each time is quadratic, but outputs here are short and the
+        # BPE merge across the token boundary makes per-token decoding wrong.
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for stop in self.stops:
+            at = text.find(stop, max(self.sent - len(stop) + 1, 0))
+            if at >= 0:
+                self.stopped = True
+                text = text[:at]
+        if self.stopped:
+            return self._emit(text, len(text))
+        safe = len(text)
+        if text.endswith("\ufffd"):  # a multi-byte character still incomplete
+            safe = len(text.rstrip("\ufffd"))
+        for stop in self.stops:  # a suffix that is a prefix of a stop string may still become one
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    safe = min(safe, len(text) - k)
+                    break
+        return self._emit(text, safe)
+
+    def flush(self) -> str:
+        """At the end of the output: whatever was held back (never past a stop)."""
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self._emit(text, len(text))
+
+    def _emit(self, text: str, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent : upto], upto
+        return delta
