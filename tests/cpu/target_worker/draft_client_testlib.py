@@ -1,6 +1,6 @@
 """Shared by the draft-client tests: the tiny target, prompts, plain references, servers.
 
-Until target_worker/engine.py lands, `spec_loop_testlib.greedy_generate` plays the engine.
+`generate` runs prompts through the real step engine, with or without a draft source.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ import torch
 
 from draft_worker.server import DraftIdentity, serve
 from draft_worker.server_cli import build_server_proposer
-from proto import HandshakeRequest, Limits
+from proto import HandshakeRequest, Limits, TreeBudget
 from proto import outrider_pb2 as pb
 from proto import outrider_pb2_grpc as pb_grpc
 from target_worker.draft_client import DraftClientConfig, RemoteDraftSource, tokenizer_fingerprint
 from target_worker.draft_source import DraftSource
+from target_worker.engine import Engine, EngineStats
 from target_worker.runner import ModelRunner
+from target_worker.sequence import RequestParams
 
 SNIPPETS = [
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
@@ -30,6 +32,22 @@ SNIPPETS = [
 ]
 MAX_NEW_TOKENS = 24
 OPTIONS = {"num_speculative_tokens": 4}
+BUDGET = TreeBudget(max_nodes=8, max_depth=4, top_k=2)
+
+
+def generate(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    source: DraftSource | None = None,
+    max_tokens: int = MAX_NEW_TOKENS,
+    timeout_s: float | None = None,
+) -> tuple[list[list[int]], EngineStats]:
+    """Greedy outputs of all prompts, run concurrently; `source` None = speculation off."""
+    engine = Engine(
+        runner, source, eos_token_id=None, max_batch=16, tree_budget=BUDGET, draft_timeout_s=timeout_s
+    )
+    completions = engine.generate(prompts, RequestParams(max_tokens=max_tokens, ignore_eos=True))
+    return [c.token_ids for c in completions], engine.stats
 
 
 def load_runner(target_dir: Path) -> ModelRunner:

@@ -1,35 +1,39 @@
-"""The gRPC draft client end to end: greedy output through a remote draft server equals
-speculation off, for every registered proposer, with several concurrent sequences; and it
-stays equal when the server is late, answers garbage, lies at the handshake, goes away, or
-comes back (re-sync); sequences stick to one of several servers and move when it fails.
+"""The gRPC draft client end to end through the step engine: greedy output through a remote
+draft server equals speculation off, for every registered proposer, with several concurrent
+sequences; and it stays equal when the server is late, answers garbage, lies at the
+handshake, or fails (sequences stick to one of several servers and move when it fails).
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import time
 
 import pytest
 from draft_client_testlib import (
-    MAX_NEW_TOKENS,
     DelayedProposer,
     ScriptedDrafter,
     StopAfter,
     client,
     encode_prompts,
     garbage_trees,
+    generate,
     honest_handshake,
     load_runner,
     start_scripted,
     start_server,
     target_handshake,
 )
-from spec_loop_testlib import LoopStats, greedy_generate
 
 import draft_worker
 from draft_worker.server_cli import build_server_proposer
 from proto import HandshakeMismatchError
 from target_worker.draft_client import DraftClientConfig, RemoteDraftSource
 
+# Import every draft_worker module so each proposer that exists registers, later ones included.
+for module in pkgutil.iter_modules(draft_worker.__path__):
+    importlib.import_module(f"draft_worker.{module.name}")
 METHODS = [m for m in draft_worker.known_methods() if not m.startswith("test_")]
 
 
@@ -45,27 +49,31 @@ def prompts(tiny_family):
 
 @pytest.fixture(scope="module")
 def plain(runner, prompts):
-    return greedy_generate(runner, prompts, MAX_NEW_TOKENS)
+    return generate(runner, prompts)[0]
+
+
+def proposer_for(family, method: str):
+    return build_server_proposer(
+        method, {"num_speculative_tokens": 4}, family.draft_dir, family.tokenizer_dir
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_through_a_remote_drafter_equals_plain(tiny_family, runner, prompts, plain, method):
-    proposer = build_server_proposer(
-        method, {"num_speculative_tokens": 4}, tiny_family.draft_dir, tiny_family.tokenizer_dir
-    )
+    proposer = proposer_for(tiny_family, method)
     if proposer.feature_spec.needs_features:
         pytest.skip(
-            f"{method} needs target features ({proposer.feature_spec}); the test loop captures none yet"
+            f"{method} needs target features {proposer.feature_spec}; none of the tiny family's drafters"
         )
     server = start_server(tiny_family, method, proposer=proposer)
     source = client(tiny_family, [f"127.0.0.1:{server.port}"], round_deadline_s=5.0)
     try:
         assert source.wait_ready(10)
-        stats = LoopStats()
-        assert greedy_generate(runner, prompts, MAX_NEW_TOKENS, source, timeout_s=5.0, stats=stats) == plain
+        outputs, stats = generate(runner, prompts, source)
+        assert outputs == plain
         counters = source.counters
-        assert counters.trees_received == stats.trees_used > 0
-        assert counters.trees_invalid == counters.trees_missing == 0
+        assert counters.trees_received == stats.num_trees > 0
+        assert counters.trees_invalid == counters.trees_missing == stats.num_invalid_trees == 0
         assert server.stats.batches < counters.trees_received  # sequences were drafted together
     finally:
         source.close()
@@ -73,15 +81,15 @@ def test_greedy_through_a_remote_drafter_equals_plain(tiny_family, runner, promp
 
 
 def test_late_server_costs_speculation_not_correctness(tiny_family, runner, prompts, plain):
-    proposer = build_server_proposer(
-        "ngram", {"num_speculative_tokens": 4}, tiny_family.draft_dir, tiny_family.tokenizer_dir
-    )
-    server = start_server(tiny_family, proposer=DelayedProposer(proposer, delay_s=0.05))
+    slow = DelayedProposer(proposer_for(tiny_family, "ngram"), delay_s=0.05)
+    server = start_server(tiny_family, proposer=slow)
     source = client(tiny_family, [f"127.0.0.1:{server.port}"])
     try:
         assert source.wait_ready(10)
-        assert greedy_generate(runner, prompts, MAX_NEW_TOKENS, source, timeout_s=0.005) == plain
-        assert source.counters.trees_missing > 0 and source.counters.trees_invalid == 0
+        outputs, stats = generate(runner, prompts, source, timeout_s=0.005)
+        assert outputs == plain
+        assert source.counters.trees_missing == stats.num_missing_trees > 0
+        assert source.counters.trees_invalid == 0
     finally:
         source.close()
         server.stop(1)
@@ -95,10 +103,10 @@ def test_garbage_trees_are_dropped_and_counted(tiny_family, runner, prompts, pla
     source = client(tiny_family, [f"127.0.0.1:{port}"])
     try:
         assert source.wait_ready(10)
-        stats = LoopStats()
-        assert greedy_generate(runner, prompts, MAX_NEW_TOKENS, source, stats=stats) == plain
-        assert stats.trees_used == source.counters.trees_received == 0
-        assert source.counters.trees_invalid == stats.submitted
+        outputs, stats = generate(runner, prompts, source)
+        assert outputs == plain
+        assert stats.num_trees == source.counters.trees_received == 0
+        assert source.counters.trees_invalid == stats.num_missing_trees > 0  # each round's tree was dropped
     finally:
         source.close()
         server.stop(None)
@@ -114,7 +122,7 @@ def test_a_lying_handshake_is_refused_clearly(tiny_family, runner, prompts, plai
             source.wait_ready(10)
         message = str(refused.value)
         assert "vocab_size" in message and "vocab_fingerprint" in message and "tokenizers differ" in message
-        assert greedy_generate(runner, prompts, MAX_NEW_TOKENS, source) == plain  # unspeculated
+        assert generate(runner, prompts, source)[0] == plain  # unspeculated
         assert source.counters.handshake_refusals >= 1 and source.counters.trees_received == 0
     finally:
         source.close()
@@ -139,22 +147,16 @@ def test_sticky_routing_and_moving_off_a_failed_worker(tiny_family, runner, prom
     try:
         wait_all_healthy(source)
         many = prompts * 4  # 16 sequences over 2 workers
-        assert greedy_generate(runner, many, 8, source, timeout_s=5.0) == [p[:8] for p in plain * 4]
+        assert generate(runner, many, source, max_tokens=8)[0] == [p[:8] for p in plain * 4]
         assert all(s.stats.trees_sent > 0 for s in servers)  # the hash spread the sequences
         assert source.counters.resyncs == 0  # and each stayed on its worker
         received = source.counters.trees_received
-        stats = LoopStats()
-        failing = StopAfter(source, 3, lambda: servers[0].stop(1))
-        assert (
-            greedy_generate(
-                runner, many, MAX_NEW_TOKENS, failing, timeout_s=5.0, seq_id_base=100, stats=stats
-            )
-            == plain * 4
-        )
+        outputs, stats = generate(runner, many, StopAfter(source, 3, lambda: servers[0].stop(1)))
+        assert outputs == plain * 4
         assert source.counters.resyncs > 0  # the moved sequences were re-sent whole
-        assert source.counters.trees_invalid == 0
+        assert source.counters.trees_invalid == stats.num_invalid_trees == 0
         assert (
-            source.counters.trees_received - received == stats.trees_used > stats.rounds
+            source.counters.trees_received - received == stats.num_trees > stats.num_rounds
         )  # still speculating
     finally:
         source.close()

@@ -13,8 +13,7 @@ import subprocess
 import sys
 import time
 
-from draft_client_testlib import MAX_NEW_TOKENS, StopAfter, client, encode_prompts, load_runner
-from spec_loop_testlib import LoopStats, greedy_generate
+from draft_client_testlib import StopAfter, client, encode_prompts, generate, load_runner
 
 SERVER_MAIN = """
 import argparse, sys
@@ -51,7 +50,7 @@ def start_process(port: int, tokenizer_dir) -> subprocess.Popen:
 def test_kill_and_restart_mid_generation(tiny_family):
     runner = load_runner(tiny_family.target_dir)
     prompts = encode_prompts(tiny_family.tokenizer_dir)
-    plain = greedy_generate(runner, prompts, MAX_NEW_TOKENS)
+    plain = generate(runner, prompts)[0]
     port = free_port()
     processes = [start_process(port, tiny_family.tokenizer_dir)]
     source = client(tiny_family, [f"127.0.0.1:{port}"], round_deadline_s=5.0)
@@ -69,15 +68,12 @@ def test_kill_and_restart_mid_generation(tiny_family):
 
     try:
         assert source.wait_ready(20)
-        before, during = LoopStats(), LoopStats()
-        assert (
-            greedy_generate(runner, prompts, MAX_NEW_TOKENS, StopAfter(source, 4, kill), stats=before)
-            == plain
-        )
-        assert before.trees_used > 0 and source.endpoints[0].healthy is False
-        after = StopAfter(source, 3, restart)
-        assert greedy_generate(runner, prompts, MAX_NEW_TOKENS, after, seq_id_base=10, stats=during) == plain
-        assert during.trees_used > 0  # speculating again once the new process was up
+        outputs, before = generate(runner, prompts, StopAfter(source, 4, kill))
+        assert outputs == plain
+        assert before.num_trees > 0 and before.num_missing_trees > 0 and not source.endpoints[0].healthy
+        outputs, during = generate(runner, prompts, StopAfter(source, 3, restart))
+        assert outputs == plain
+        assert during.num_trees > 0  # speculating again once the new process was up
         assert source.counters.reconnects >= 1 and source.counters.resyncs >= len(prompts)
         assert source.counters.trees_invalid == 0
     finally:
