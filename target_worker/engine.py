@@ -2,7 +2,7 @@
 
 A round (DESIGN.md "One round, in order"; ALGORITHMS.md sections 1-2), as `step` reads:
 
-    trees = drafts.collect(...)             # one per prefilled sequence; untrusted, so checked
+    trees = drafts.collect(...)             # one per decoding sequence; untrusted, so checked
     out = runner.forward(...)               # new prompts' chunks + every tree, one ragged batch
     res = verify(trees, p, greedy, rand)    # lossless; greedy and sampled rows together
     cache.commit_paths(...)                 # the accepted paths' K/V follow their roots
@@ -155,13 +155,13 @@ class Engine:
         if not self.running:
             return []
         self.round += 1
-        ready = [s for s in self.running if s.prefilled]
-        # 1. Draft: this round's trees; missing or bad ones become root-only (plain decoding).
+        ready = [s for s in self.running if s.decoding]
+        # 1. Draft: trees for the decoding sequences; missing or bad ones become root-only.
         trees = self.drafts.collect([s.seq_id for s in ready], self.draft_timeout_s) if self.drafts else {}
         trees = self._checked_trees(ready, trees)
         plan = plan_round(
             list(zip(ready, trees, strict=True)),
-            [s for s in self.running if not s.prefilled],
+            [s for s in self.running if not s.decoding],
             self.max_prefill_tokens,
             self.round,
             self.capture,
@@ -270,7 +270,7 @@ class Engine:
             return
         updates = []
         for seq in self.running:
-            if not seq.prefilled:
+            if not seq.decoding:
                 continue
             seq.budget, seq.tree_round = seq.tree_budget(self.tree_budget), self.round + 1
             features = torch.cat(seq.unsent_features) if self.capture else None

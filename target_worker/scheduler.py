@@ -1,6 +1,6 @@
 """What each running sequence contributes to a round's one forward, and where its results are.
 
-Every sequence that reaches its root this round is *verified*: a prefilled one with its tree
+Every sequence that reaches its root this round is *verified*: a decoding one with its tree
 (root-only when it has no draft: one decode token), or one whose final prompt chunk ends at
 its root (a chain whose last logits row is the root's). Prompt chunks that stop short of the
 root only fill the cache. Verified sequences come first, so their logits rows are the first
@@ -51,8 +51,8 @@ def root_only_tree(seq: Sequence, round: int) -> CandidateTree:
 
 
 def plan_round(
-    decoding: list[tuple[Sequence, CandidateTree]],  # prefilled sequences and this round's trees
-    prefilling: list[Sequence],  # the others, in admission order
+    decoding: list[tuple[Sequence, CandidateTree]],  # decoding sequences and this round's trees
+    prefilling: list[Sequence],  # the others (no output token yet), in admission order
     max_prefill_tokens: int,
     round: int,
     capture: HiddenCapture | None,

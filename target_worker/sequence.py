@@ -6,10 +6,11 @@ A sequence's tokens, seen from the KV cache and the drafter:
               |-------- cached (num_cached) ------|root|   root = tokens[-1], K/V not yet cached
               |--- sent to the drafter (num_sent) ---|--- unsent delta ---|
 
-While prefilling, num_cached < len(tokens) - 1 and prompt chunks are cached round by round;
-the chunk that reaches the last prompt token is a plain decode of it, which gives the first
-output token. From then on every round verifies one tree rooted at tokens[-1] and appends
-accepted + (recovered or bonus) tokens, so num_cached == len(tokens) - 1 after each round.
+Until its first output token a sequence is prefilling: prompt chunks are cached round by
+round, and the chunk that reaches the last prompt token is a plain decode of it, which gives
+the first output token (whatever the chunking, so a seeded request draws the same random
+numbers in any batch). From then on it is decoding: every round verifies one tree rooted at
+tokens[-1] and appends accepted + (recovered or bonus) tokens, so num_cached == len(tokens) - 1.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class RequestOutput:
 class Sequence:
     seq_id: int
     params: RequestParams
-    tokens: list[int]  # prompt + output; the last one is the root once prefilled
+    tokens: list[int]  # prompt + output; the last one is the root once decoding
     num_prompt: int
     generator: torch.Generator | None  # per-request stream for verification's random numbers
     cache_start: int = -1  # first row of the KV extent; -1 until admitted
@@ -90,9 +91,9 @@ class Sequence:
     stop_reason: str | int | None = None
 
     @property
-    def prefilled(self) -> bool:
-        """The root is the only token whose K/V is not cached: this round verifies a tree."""
-        return self.num_cached == len(self.tokens) - 1
+    def decoding(self) -> bool:
+        """Past the first output token: each round verifies a tree rooted at tokens[-1]."""
+        return len(self.tokens) > self.num_prompt
 
     @property
     def output_ids(self) -> list[int]:
