@@ -36,6 +36,7 @@ class _Pending:
     params: Any  # target_worker.sequence.RequestParams
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    engine_id: int = -1  # the engine's own request id, once added
 
 
 @dataclass
@@ -55,7 +56,7 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Pending] = collections.deque()
         self._aborts: list[int] = []
-        self._live: dict[int, _Pending] = {}  # in the engine
+        self._live: dict[int, _Pending] = {}  # engine id -> request, for those in the engine
         self._next_id = 0
         self._stopping = False
         self.error: BaseException | None = None  # the step loop died of this
@@ -86,9 +87,11 @@ class EngineLoop:
                 if pending.request_id == request_id:
                     self._waiting.remove(pending)
                     return
-            if request_id in self._live:
-                self._aborts.append(request_id)
-                self._cond.notify()
+            for engine_id, pending in self._live.items():
+                if pending.request_id == request_id:
+                    self._aborts.append(engine_id)
+                    self._cond.notify()
+                    return
 
     @property
     def num_running(self) -> int:
@@ -118,8 +121,8 @@ class EngineLoop:
                     admit = []
                     while self._waiting and len(self._live) + len(admit) < self.max_num_seqs:
                         admit.append(self._waiting.popleft())
-                for request_id in aborts:
-                    self._abort(request_id)
+                for engine_id in aborts:
+                    self._abort(engine_id)
                 for pending in admit:
                     self._admit(pending)
                 if self._live:
@@ -136,18 +139,18 @@ class EngineLoop:
 
     def _admit(self, pending: _Pending) -> None:
         try:
-            self.engine.add_request(pending.prompt_ids, pending.params, request_id=pending.request_id)
+            pending.engine_id = self.engine.add_request(pending.prompt_ids, pending.params)
         except (ValueError, RuntimeError) as e:  # refused (does not fit the cache, bad params)
             pending.loop.call_soon_threadsafe(pending.queue.put_nowait, e)
             return
         with self._cond:
-            self._live[pending.request_id] = pending
+            self._live[pending.engine_id] = pending
 
-    def _abort(self, request_id: int) -> None:
+    def _abort(self, engine_id: int) -> None:
         with self._cond:
-            pending = self._live.pop(request_id, None)
+            pending = self._live.pop(engine_id, None)
         if pending is not None:
-            self.engine.abort_request(request_id)
+            self.engine.abort_request(engine_id)
             self.stats.aborted += 1
 
     def _step(self) -> None:

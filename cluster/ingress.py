@@ -15,8 +15,6 @@ queue is full (`EngineOverloaded`) and Serve refuses one past `max_queued_reques
 target stream opens with an empty "admitted" chunk that the ingress awaits first.
 """
 
-from __future__ import annotations
-
 import asyncio
 import json
 import logging
@@ -48,6 +46,20 @@ from cluster.text import Detokenizer, apply_chat_template, load_tokenizer
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="Outrider", description="OpenAI-compatible speculative decoding")
+
+
+# Above the class: Serve pickles the deployment class when it is decorated.
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _as_api_error(error: BaseException) -> ApiError:
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, (EngineOverloaded, BackPressureError)):
+        return ApiError(429, "the server is at capacity; retry later", code="overloaded")
+    log.error("request failed: %s: %s", type(error).__name__, error, exc_info=error)
+    return ApiError(500, f"internal error: {type(error).__name__}")
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024)
@@ -295,16 +307,3 @@ class OpenAIIngress:
 
     def _echo(self, req: CompletionRequest) -> str:
         return req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(req.prompt)
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-def _as_api_error(error: BaseException) -> ApiError:
-    if isinstance(error, ApiError):
-        return error
-    if isinstance(error, (EngineOverloaded, BackPressureError)):
-        return ApiError(429, "the server is at capacity; retry later", code="overloaded")
-    log.error("request failed: %s: %s", type(error).__name__, error)
-    return ApiError(500, f"internal error: {type(error).__name__}")

@@ -33,7 +33,7 @@ class SamplingFields(BaseModel):
     top_k: int = Field(0, ge=-1)
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, validate_default=True)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
 

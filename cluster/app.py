@@ -1,0 +1,40 @@
+"""`build_app(args)`: the Outrider Ray Serve application, three deployments composed.
+
+HTTP ──> OpenAIIngress ──(Serve stream of token ids)──> TargetWorker x N (engine, TP group)
+                                                           │ gRPC rounds
+                                                           v
+                                                     DraftWorker x M   (or in-process / external)
+
+serve run cluster.app:build_app demo=tiny         # args as key=value
+serve run cluster/serve_demo.yaml                  # import_path + args
+outrider serve --demo tiny                         # the same, with an embedded local Ray
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from cluster.config import OutriderArgs, load_args
+from cluster.draft import DraftWorker
+from cluster.ingress import OpenAIIngress
+from cluster.placement import draft_options, local_pools, target_options
+from cluster.served_model import resolve_model
+from cluster.target import TargetWorker, speculative_for
+
+
+def build_app(args: OutriderArgs | dict[str, Any] | None = None) -> serve.Application:
+    args = load_args(args)
+    model, pools = resolve_model(args, progress=True), local_pools(args)
+    spec = speculative_for(args, model)
+    if spec is not None and args.draft_pool.mode == "deployment":
+        # Bound only so Serve deploys it: targets reach drafters over gRPC, found by registry.
+        drafts = DraftWorker.options(**draft_options(args, pools)).bind(
+            model, spec, args.draft_pool.grpc_port
+        )
+    else:
+        drafts = None
+    target = TargetWorker.options(**target_options(args, pools)).bind(model, args.model_dump(), drafts)
+    ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": args.ingress_num_cpus})
+    return ingress.bind(target, model, args.engine.default_max_tokens, args.chat_template)
