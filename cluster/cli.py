@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from cluster.demo.recipe import DEFAULT_SIZE, RECIPES
+from cluster.serve_cli import add_serve_parser
 
 
 def _cmd_demo_build(args: argparse.Namespace) -> int:
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fails when an unrelated package (e.g. proto-plus's `proto`) shadows one of Outrider's.",
     )
     check.set_defaults(func=_cmd_check_install)
+    add_serve_parser(commands)
     return parser
 
 
