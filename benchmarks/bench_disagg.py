@@ -1,0 +1,238 @@
+"""Disaggregated drafting: what the gRPC hop costs, and tokens/s remote vs. in-process.
+
+    python -m benchmarks.bench_disagg --size small      # the issue's setting (builds the family once)
+    python -m benchmarks.bench_disagg --size tiny --max-tokens 32   # a quick look
+
+(a) Loopback round trip: a draft server in its own process answers every update with a fixed
+    64-node tree with sparse q (top-8 rows), so the figure is transport + validation only;
+    p50/p99 of submit -> collect, at batch 1 and 16.
+(b) Tokens/s of the step engine, greedy, `mid` prompts, at batch 1, 4 and 16: plain, the
+    draft_model proposer in-process (co-located), and the same proposer in a draft server
+    process (disaggregated). The speculation cache (issue 6 part 5) is not built yet, so the
+    "with cache" rows are absent; see the notes in the report.
+
+Both processes use one torch thread each, so on the 2-core machine they run side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The server process: `--echo` answers with fixed trees (transport only), else a real proposer.
+SERVER_MAIN = """
+import json, sys, torch
+torch.set_num_threads(1)
+from draft_worker.server import DraftIdentity, serve
+from draft_worker.server_cli import build_server_proposer
+from target_worker.draft_client import tokenizer_fingerprint
+from pathlib import Path
+args = json.loads(sys.argv[1])
+if args["method"] == "echo":
+    from draft_worker import build_proposer
+    from proto import CandidateTree
+    proposer = build_proposer({"method": "ngram", "num_speculative_tokens": 8, "tree_top_k": 8,
+                               "tree_max_nodes": 64}, vocab_size=args["vocab_size"])
+    shapes = [CandidateTree.make_dummy(64, vocab_size=args["vocab_size"], top_k=8, max_depth=8, seed=s)
+              for s in range(8)]  # built once: the figure is transport, not tree building
+    def propose(updates):
+        trees = []
+        for u in updates:
+            if u.finished:
+                continue
+            shape = shapes[u.round % len(shapes)]
+            tokens = shape.tokens.clone()
+            tokens[0] = u.new_tokens[-1]
+            trees.append(CandidateTree(**{**vars(shape), "seq_id": u.seq_id, "round": u.round, "tokens": tokens}))
+        return trees
+    proposer.propose = propose
+else:
+    proposer = build_server_proposer(args["method"], args["options"], Path(args["draft_dir"]),
+                                     Path(args["tokenizer_dir"]))
+identity = DraftIdentity(args["method"], proposer.vocab_size, tokenizer_fingerprint(args["tokenizer_dir"]))
+server = serve(proposer, identity, address="127.0.0.1:0")
+print(server.port, flush=True)
+sys.stdin.read()
+server.stop(2)
+"""
+
+
+def start_server(config: dict) -> tuple[subprocess.Popen, int]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVER_MAIN, json.dumps(config)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    return process, int(process.stdout.readline())
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.stdin.close()
+    process.wait(30)
+
+
+def round_trip(family, handshake, batch: int, iterations: int) -> dict:
+    from proto import SamplingParams, SequenceUpdate, TreeBudget
+    from target_worker.draft_client import DraftClientConfig, RemoteDraftSource
+
+    process, port = start_server(
+        {"method": "echo", "vocab_size": handshake.vocab_size, "tokenizer_dir": str(family.tokenizer_dir)}
+    )
+    source = RemoteDraftSource([f"127.0.0.1:{port}"], handshake, DraftClientConfig(round_deadline_s=5.0))
+    try:
+        assert source.wait_ready(30)
+        budget = TreeBudget(64, 8, 8)
+        times = []
+        for i in range(iterations + 10):
+            updates = [
+                SequenceUpdate(
+                    s, i, torch.tensor([1 + i % 7] * (32 if i == 0 else 1)), SamplingParams(), budget
+                )
+                for s in range(batch)
+            ]
+            started = time.perf_counter()
+            source.submit(updates)
+            trees = source.collect(list(range(batch)), 5.0)
+            elapsed = time.perf_counter() - started
+            assert len(trees) == batch and all(t.num_nodes == 64 for t in trees.values())
+            if i >= 10:  # warm-up rounds out
+                times.append(elapsed * 1e3)
+        times.sort()
+        return {
+            "measure": "round_trip",
+            "batch": batch,
+            "tree_nodes": 64,
+            "q_top_k": 8,
+            "p50_ms": statistics.median(times),
+            "p99_ms": times[int(0.99 * (len(times) - 1))],
+        }
+    finally:
+        source.close()
+        stop_server(process)
+
+
+def throughput(runner, prompts, source, batch: int, max_tokens: int) -> tuple[float, float | None]:
+    from proto import TreeBudget
+    from target_worker.engine import Engine
+    from target_worker.sequence import RequestParams
+
+    engine = Engine(runner, source, eos_token_id=None, max_batch=batch, tree_budget=TreeBudget(16, 6, 4))
+    params = RequestParams(max_tokens=max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    completions = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - started
+    tokens = sum(len(c.token_ids) for c in completions)
+    tau = None
+    if source is not None and engine.stats.num_rounds:
+        spec = engine.stats.spec
+        tau = 1 + spec.num_accepted_tokens / max(spec.num_drafts, 1)
+    return tokens / elapsed, tau
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="small", help="demo family (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--iterations", type=int, default=300, help="round trips per batch size")
+    parser.add_argument("--batches", default="1,4,16")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.prompts import load_prompts
+    from benchmarks.report import write_report
+    from cluster.demo.family import ensure_demo_family
+    from draft_worker.server_cli import build_server_proposer
+    from proto import HandshakeRequest, Limits
+    from target_worker.draft_client import DraftClientConfig, RemoteDraftSource, tokenizer_fingerprint
+    from target_worker.draft_source import InProcessDraftSource
+    from target_worker.runner import ModelRunner
+
+    family = ensure_demo_family(args.size)
+    config = json.loads((family.target_dir / "config.json").read_text())
+    handshake = HandshakeRequest(
+        f"demo-{args.size}-target",
+        config["vocab_size"],
+        tokenizer_fingerprint(family.tokenizer_dir),
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        Limits(256, 64, 8, 8),
+    )
+    rows = [round_trip(family, handshake, batch, args.iterations) for batch in (1, 16)]
+
+    tokenizer = AutoTokenizer.from_pretrained(family.tokenizer_dir)
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts = [
+        p.token_ids
+        for p in load_prompts("mid", tokenizer, count=max(batches), prompt_tokens=args.prompt_tokens)
+    ]
+    runner = ModelRunner.from_pretrained(
+        family.target_dir, max_model_len=1024, kv_cache_rows=max(batches) * 512
+    )
+    options = {"num_speculative_tokens": 6, "tree_top_k": 4, "tree_max_nodes": 16}
+    dirs = {"draft_dir": str(family.draft_dir), "tokenizer_dir": str(family.tokenizer_dir)}
+    process, port = start_server({"method": "draft_model", "options": options, **dirs})
+    remote = RemoteDraftSource([f"127.0.0.1:{port}"], handshake, DraftClientConfig(round_deadline_s=5.0))
+    try:
+        assert remote.wait_ready(60)
+        for batch in batches:
+            chosen = prompts[:batch]
+            local = InProcessDraftSource(
+                build_server_proposer("draft_model", options, family.draft_dir, family.tokenizer_dir)
+            )
+            plain, _ = throughput(runner, chosen, None, batch, args.max_tokens)
+            for mode, source in (("co-located", local), ("disaggregated", remote)):
+                tokens_per_s, tau = throughput(runner, chosen, source, batch, args.max_tokens)
+                rows.append(
+                    {
+                        "measure": "tokens_per_s",
+                        "batch": batch,
+                        "mode": mode,
+                        "spec_cache": False,
+                        "tokens_per_s": tokens_per_s,
+                        "plain_tokens_per_s": plain,
+                        "speedup_vs_plain": tokens_per_s / plain,
+                        "acceptance_length": tau,
+                    }
+                )
+        rows.append({"measure": "client_counters", **vars(remote.counters)})
+    finally:
+        remote.close()
+        stop_server(process)
+    notes = (
+        f"Demo family `{args.size}`, greedy, `mid` prompts of {args.prompt_tokens} tokens, {args.max_tokens} new "
+        "tokens each; draft_model, trees of <= 16 nodes (depth 6, top-4). One torch thread per process. "
+        "The speculation cache (pre-drafting round r+1 while the target verifies round r) is not built yet: "
+        "without it the engine waits for the drafter at the start of every round, so disaggregated = "
+        "co-located + one loopback round trip, and the overlap the issue targets is still to come."
+    )
+    json_path, _ = write_report(
+        f"disagg_{args.size}",
+        rows,
+        {"size": args.size, "argv": sys.argv[1:]},
+        title="Disaggregated drafting",
+        notes=notes,
+        columns=list(dict.fromkeys(key for row in rows for key in row)),
+    )
+    print(json.dumps(rows, indent=1))
+    print(f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
