@@ -1,0 +1,117 @@
+"""A TP=2 target (rank 1 a shard actor in the replica's placement group) fed by a separate
+draft deployment over gRPC; and target replicas that scale up under load and back down."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from serve_testlib import MODEL, deploy, get, local_serve, metric, post
+
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n"]
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_family):
+    with local_serve() as url:
+        yield url
+
+
+def _plain_greedy(family, prompt: str, max_tokens: int) -> str:
+    """The reference: the engine in this process, no speculation, no Serve."""
+    from cluster.config import OutriderArgs
+    from cluster.served_model import resolve_model
+    from cluster.text import load_tokenizer
+    from target_worker.engine import Engine
+    from target_worker.runner import ModelRunner
+    from target_worker.sequence import RequestParams
+
+    model = resolve_model(OutriderArgs(demo="tiny"))
+    tokenizer = load_tokenizer(model.tokenizer_dir)
+    runner = ModelRunner.from_pretrained(
+        model.target_dir, max_model_len=model.max_model_len, kv_cache_rows=512
+    )
+    engine = Engine(runner, None, eos_token_id=model.eos_token_id)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    (done,) = engine.generate([ids], RequestParams(max_tokens=max_tokens))
+    return tokenizer.decode(done.token_ids, skip_special_tokens=True)
+
+
+def test_tp2_target_with_draft_deployment(base_url, tiny_family):
+    deploy(
+        "tp",
+        {
+            "tensor_parallel_size": 2,
+            "speculative_config": {"method": "ngram", "num_speculative_tokens": 4},
+            # A generous deadline: 2 shared cores run the shards, the drafter and this test.
+            "draft_pool": {"mode": "deployment", "num_cpus": 0, "round_deadline_ms": 2000},
+        },
+        tiny_family,
+    )
+    for prompt in PROMPTS:
+        body = {"model": MODEL, "prompt": prompt * 2, "max_tokens": 30, "temperature": 0}
+        status, answer = post(f"{base_url}/tp/v1/completions", body)
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == _plain_greedy(tiny_family, prompt * 2, 30)
+    page = get(f"{base_url}/tp/metrics")[1]
+    assert metric(page, "outrider:spec_decode_num_drafts_total") > 0
+    assert metric(page, "outrider:draft_round_trips_total") > 0
+    from ray import serve
+
+    serve.delete("tp")  # frees its three processes for the autoscaling test
+
+
+def _running(app: str) -> int:
+    from ray import serve
+
+    deployment = serve.status().applications[app].deployments["TargetWorker"]
+    return sum(n for state, n in deployment.replica_states.items() if str(state).endswith("RUNNING"))
+
+
+def _wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_target_replicas_scale_up_under_load_and_back_down(base_url, tiny_family):
+    fast = {
+        "metrics_interval_s": 0.5,
+        "look_back_period_s": 1.0,
+        "upscale_delay_s": 0.5,
+        "downscale_delay_s": 2.0,
+    }
+    deploy(
+        "scale",
+        {
+            "no_speculation": True,
+            "engine": {"max_num_seqs": 1, "max_queued_requests": 16, "num_threads": 1},
+            "target": {
+                "num_cpus": 0,
+                "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, **fast},
+            },
+        },
+        tiny_family,
+    )
+    assert _running("scale") == 1
+    stop = threading.Event()
+
+    def load() -> None:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0}
+        while not stop.is_set():
+            post(f"{base_url}/scale/v1/completions", body)
+
+    workers = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+    for w in workers:
+        w.start()
+    try:
+        assert _wait_for(lambda: _running("scale") == 2, 90), "no scale-up under load"
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(60)
+    assert _wait_for(lambda: _running("scale") == 1, 90), "no scale-down once idle"

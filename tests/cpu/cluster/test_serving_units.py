@@ -1,0 +1,186 @@
+"""The serving layer's pieces without Ray: config edge, stop strings, metrics page, draft policy,
+step-loop overload and abort."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.config import OutriderArgs, load_args
+from cluster.engine_loop import EngineLoop, EngineOverloaded
+from cluster.metrics import Metrics
+from cluster.placement import DraftLoadPolicy, draft_options, target_options
+from cluster.serve_cli import add_serve_parser, args_from_cli
+from cluster.text import Detokenizer
+
+
+def test_config_validates_at_the_edge():
+    args = load_args({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}})
+    assert args.speculative == {"method": "ngram", "num_speculative_tokens": 3}
+    assert load_args({"no_speculation": True}).speculative is None
+    assert load_args({"draft_pool": {"draft_endpoints": ["10.0.0.2:50051"]}}).draft_pool.mode == "external"
+    for bad, field in [
+        ({"speculative_config": {"method": "nope"}}, "speculative_config"),
+        ({"speculative_config": {"method": "ngram", "bogus": 1}}, "speculative_config"),
+        ({"draft_pool": {"draft_endpoints": ["no-port"]}}, "draft_pool"),
+        ({"target": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "target"),
+        ({"engin": {}}, "engin"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ]:
+        with pytest.raises(ValidationError) as error:
+            load_args(bad)
+        assert error.value.errors()[0]["loc"][0] == field
+
+
+def test_every_config_field_has_a_description():
+    def check(model) -> None:
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+            annotation = field.annotation
+            for inner in getattr(annotation, "__args__", (annotation,)):
+                if isinstance(inner, type) and hasattr(inner, "model_fields"):
+                    check(inner)
+
+    check(OutriderArgs)
+
+
+def test_deployment_options_without_gpus():
+    from cluster.gpu_pools import PoolAssignment
+
+    none = PoolAssignment(draft=(), target=())
+    args = load_args({"tensor_parallel_size": 2, "target": {"num_cpus": 1}, "engine": {"max_num_seqs": 4}})
+    options = target_options(args, none)
+    assert options["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 1}]
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["max_queued_requests"] == args.engine.max_queued_requests
+    draft = draft_options(load_args({"draft_pool": {"autoscaling": {"max_replicas": 3}}}), none)
+    assert draft["autoscaling_config"]["policy"]["policy_function"] == "cluster.placement:DraftLoadPolicy"
+    assert draft["ray_actor_options"]["num_gpus"] == 0
+
+
+def test_draft_policy_scales_on_busy_share():
+    policy = DraftLoadPolicy(target_busy_fraction=0.5)
+    ctx = SimpleNamespace(current_num_replicas=2, target_num_replicas=2, aggregated_metrics={})
+    assert policy(ctx)[0] == 2  # no signal yet: stay
+    ctx.aggregated_metrics = {"draft_busy_fraction": {"a": 0.9, "b": 0.9}}
+    assert policy(ctx)[0] == 4
+    ctx.aggregated_metrics = {"draft_busy_fraction": {"a": 0.1, "b": 0.1}}
+    assert policy(ctx)[0] == 1
+
+
+class _CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_detokenizer_holds_back_a_possible_stop_and_cuts_at_it():
+    detok = Detokenizer(_CharTokenizer(), ["END"])
+    assert detok.add([ord("a"), ord("b"), ord("E")]) == "ab"  # "E" may start "END"
+    assert detok.add([ord("x")]) == "Ex"
+    assert detok.add([ord("E"), ord("N")]) == ""
+    assert detok.add([ord("D"), ord("z")]) == ""
+    assert detok.stopped and detok.flush() == ""
+    plain = Detokenizer(_CharTokenizer(), ["END"])
+    plain.add([ord("E")])
+    assert plain.flush() == "E"
+
+
+def test_metrics_page_sums_replica_snapshots():
+    metrics = Metrics("m")
+    metrics.snapshot(
+        {"replica": "a", "num_drafts": 2, "num_accepted_tokens": 3, "num_accepted_tokens_per_pos": [2, 1]}
+    )
+    metrics.snapshot(
+        {"replica": "b", "num_drafts": 2, "num_accepted_tokens": 1, "num_accepted_tokens_per_pos": [1]}
+    )
+    metrics.request_done(5, [1.0, 1.1, 1.2], 0.9, "length")
+    page = metrics.render()
+    assert 'outrider:spec_decode_num_drafts_total{model_name="m"} 4' in page
+    assert 'outrider:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 3' in page
+    assert 'outrider:spec_decode_mean_acceptance_length{model_name="m"} 2.0' in page
+    assert 'outrider:time_to_first_token_seconds_count{model_name="m"} 1' in page
+    assert 'outrider:generation_tokens_total{model_name="m"} 3' in page
+
+
+@dataclass
+class _Out:
+    request_id: int
+    new_token_ids: list
+    finished: bool
+    finish_reason: str | None
+
+
+class _FakeEngine:
+    """One token per step per request, `length` after prompt[0] tokens."""
+
+    def __init__(self):
+        self.live, self.length, self.next_id, self.aborted = {}, {}, 0, []
+
+    def add_request(self, prompt, params):
+        self.next_id += 1
+        self.live[self.next_id], self.length[self.next_id] = 0, prompt[0]
+        return self.next_id
+
+    def abort_request(self, request_id):
+        self.aborted.append(request_id)
+        self.live.pop(request_id, None)
+
+    def step(self):
+        time.sleep(0.005)
+        outs = []
+        for rid in list(self.live):
+            self.live[rid] += 1
+            done = self.live[rid] == self.length[rid]
+            outs.append(_Out(rid, [self.live[rid]], done, "length" if done else None))
+            if done:
+                del self.live[rid]
+        return outs
+
+
+def test_engine_loop_streams_refuses_overload_and_aborts():
+    async def scenario():
+        engine = _FakeEngine()
+        loop = EngineLoop(engine, max_num_seqs=1, max_queued=1)
+        try:
+            first, q1 = loop.submit([3], None)
+            _, q2 = loop.submit([10_000], None)
+            with pytest.raises(EngineOverloaded):
+                loop.submit([3], None)
+            tokens = []
+            while not (out := await asyncio.wait_for(q1.get(), 5)).finished:
+                tokens += out.new_token_ids
+            assert tokens + out.new_token_ids == [1, 2, 3]
+            first_of_second = await asyncio.wait_for(q2.get(), 5)
+            assert first_of_second.new_token_ids == [1]
+            loop.abort(2)
+            await asyncio.sleep(0.2)
+            assert engine.aborted == [2] and loop.num_running == 0
+        finally:
+            loop.stop()
+
+    asyncio.run(scenario())
+
+
+def test_serve_cli_flags_over_yaml(tmp_path):
+    import argparse
+
+    yaml_file = tmp_path / "serve.yaml"
+    yaml_file.write_text(
+        "applications:\n  - import_path: cluster.app:build_app\n    args: {demo: tiny, tensor_parallel_size: 2}\n"
+    )
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    ns = parser.parse_args(
+        ["serve", "--config", str(yaml_file), "--tp", "1", "--speculative-config", '{"method": "suffix"}']
+    )
+    args = load_args(args_from_cli(ns))
+    assert (args.demo, args.tensor_parallel_size, args.speculative_config) == (
+        "tiny",
+        1,
+        {"method": "suffix"},
+    )
