@@ -300,18 +300,18 @@ class Engine:
     def _target_probs(self, plan: RoundPlan, logits: torch.Tensor) -> torch.Tensor:
         """p for every tree node: [total_nodes, vocab], each node under its request's params."""
         cu = plan.trees.cu_num_draft_tokens
-        sizes = cu[1:] - cu[:-1]
         params = [s.params for s in plan.verified]
-
-        def per_node(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=cu.device).repeat_interleave(sizes)
-
+        # [B, 4]: temperature, top_k, top_p, min_p per sequence, then per node.
+        table = torch.tensor([[q.temperature, q.top_k, q.top_p, q.min_p] for q in params], device=cu.device)
+        if plan.trees.max_num_nodes > 1:
+            table = table.repeat_interleave(cu[1:] - cu[:-1], dim=0)
+        temperature, top_k, top_p, min_p = table.unbind(1)
         return process_logits(
-            logits[: int(cu[-1])],
-            per_node([q.temperature for q in params], torch.float32),
-            per_node([q.top_k for q in params], torch.int64),
-            per_node([q.top_p for q in params], torch.float32),
-            per_node([q.min_p for q in params], torch.float32),
+            logits[: table.shape[0]],
+            temperature,
+            top_k.long() if any(q.top_k for q in params) else None,
+            top_p if any(q.top_p < 1 for q in params) else None,
+            min_p if any(q.min_p for q in params) else None,
         )
 
     def _is_greedy(self, plan: RoundPlan) -> torch.Tensor:

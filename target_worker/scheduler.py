@@ -36,16 +36,23 @@ class RoundPlan:
     num_prefill_tokens: int  # prompt tokens in this forward (final and partial chunks)
 
 
+# Shared by every root-only tree (one per sequence per round without a draft): read, never written.
+_ROOT_PARENTS = torch.tensor([-1], dtype=torch.int64)
+_NO_Q_NODES = torch.empty(0, dtype=torch.int64)
+_NO_Q_IDS = torch.empty(0, 0, dtype=torch.int64)
+_NO_Q_PROBS = torch.empty(0, 0, dtype=torch.float32)
+
+
 def root_only_tree(seq: Sequence, round: int) -> CandidateTree:
     """No draft tokens: verifying it is plain decoding of one token."""
     return CandidateTree(
         seq_id=seq.seq_id,
         round=round,
         tokens=torch.tensor(seq.tokens[-1:], dtype=torch.int64),
-        parents=torch.tensor([-1], dtype=torch.int64),
-        q_nodes=torch.empty(0, dtype=torch.int64),
-        q_token_ids=torch.empty(0, 0, dtype=torch.int64),
-        q_probs=torch.empty(0, 0, dtype=torch.float32),
+        parents=_ROOT_PARENTS,
+        q_nodes=_NO_Q_NODES,
+        q_token_ids=_NO_Q_IDS,
+        q_probs=_NO_Q_PROBS,
         sampling=DraftSampling.DETERMINISTIC,
     )
 
