@@ -197,14 +197,10 @@ def bench_vs_transformers(target_dir: Path, runner: ModelRunner, prompt: list[in
     @torch.inference_mode()
     def theirs(steps: int) -> float:
         cache = transformers.DynamicCache(config=model.config)
-        token = model(input_ids=ids[None], past_key_values=cache, use_cache=True).logits[0, -1].argmax()
+        token = model(input_ids=ids[None], cache=cache, use_cache=True).logits[0, -1].argmax()
         t0 = time.perf_counter()
         for _ in range(steps):
-            token = (
-                model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True)
-                .logits[0, -1]
-                .argmax()
-            )
+            token = model(input_ids=token.view(1, 1), cache=cache, use_cache=True).logits[0, -1].argmax()
         return 1e3 * (time.perf_counter() - t0) / steps
 
     ours(4), theirs(4)
