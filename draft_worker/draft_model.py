@@ -12,7 +12,8 @@ it; a round, for the whole batch at once:
     prefill   one forward over every sequence's uncached tokens (the round's delta, ending in
               the root): the root's logits, and the delta's K/V at its absolute positions
     expand    one forward per tree depth through `tree_builder.build_trees`, over the
-              frontier rows of every sequence together (`_TreeScratch`)
+              frontier rows of every sequence together (`_TreeScratch`); when every budget
+              is a chain (top_k = 1), the same trees without the builder (`_draft_chains`)
 
 Draft extent of one sequence (rows = absolute positions, as in the target's cache):
 
@@ -38,9 +39,9 @@ from pathlib import Path
 
 import torch
 
-from draft_worker.proposer import Proposer, register_proposer
+from draft_worker.proposer import Proposer, register_proposer, root_only_tree
 from draft_worker.tree_builder import Frontier, build_trees, draft_generator
-from proto import CandidateTree, SequenceUpdate, TreeBudget
+from proto import CandidateTree, DraftSampling, SequenceUpdate, TreeBudget
 from proto.handshake import vocab_fingerprint
 from target_worker.batch import ForwardBatch, SequenceChunk, build_forward_batch
 from target_worker.kv_cache import CacheFullError
@@ -166,6 +167,8 @@ class DraftModelProposer(Proposer[DraftModelState]):
                 room = self.max_model_len - states[b].cached  # positions left after the root
                 depth = min(budget.max_depth, room)
                 budgets[b] = TreeBudget(budget.max_nodes, depth, budget.top_k) if depth > 0 else NO_DRAFT
+        if all(b.top_k <= 1 for b in budgets):
+            return self._draft_chains(updates, states, budgets, root_logits)
         scratch = _TreeScratch(self, states)
         return build_trees(
             updates,
@@ -200,6 +203,62 @@ class DraftModelProposer(Proposer[DraftModelState]):
         for s in states:
             s.cached = len(s.tokens)
         return out.logits
+
+    def _draft_chains(
+        self,
+        updates: Sequence[SequenceUpdate],
+        states: Sequence[DraftModelState],
+        budgets: Sequence[TreeBudget],
+        root_logits: torch.Tensor,  # [batch, vocab]
+    ) -> list[CandidateTree]:
+        """Chains without the tree builder's ranking (its per-depth sorts cost more than a
+        small draft's forward), giving exactly its top_k = 1 trees: each child is the argmax;
+        its q row is the softmax's top probability when greedy, else the top-1 of q
+        renormalised, 1.0 (a point mass, which the verifier accepts with p(x))."""
+        lengths = [min(b.max_depth, b.max_nodes - 1) if b.top_k == 1 else 0 for b in budgets]
+        drafts: list[list[int]] = [[] for _ in updates]
+        probs: list[list[float]] = [[] for _ in updates]
+        active = [b for b, n in enumerate(lengths) if n > 0]
+        logits = root_logits[active]  # [len(active), vocab]
+        for depth in range(max(lengths, default=0)):
+            top_prob, token = logits.float().softmax(-1).max(-1)  # [len(active)] each
+            for b, t, q in zip(active, token.tolist(), top_prob.tolist(), strict=True):
+                drafts[b].append(t)
+                probs[b].append(q if updates[b].sampling.greedy else 1.0)
+            active = [b for b in active if lengths[b] > depth + 1]  # the last draft needs no logits
+            if not active:
+                break
+            # Draft `depth` sits at position L + depth (the root at L - 1): a plain decode step.
+            chunks = [
+                SequenceChunk(states[b].start, states[b].cached + depth, torch.tensor(drafts[b][-1:]))
+                for b in active
+            ]
+            logits = self.runner.forward(build_forward_batch(chunks, device=self.runner.device)).logits
+            self.forwards += 1
+        return [
+            chain_tree(
+                u, d, p, DraftSampling.DETERMINISTIC if u.sampling.greedy else self.config.sampled_mode
+            )
+            if d
+            else root_only_tree(u)
+            for u, d, p in zip(updates, drafts, probs, strict=True)
+        ]
+
+
+def chain_tree(
+    update: SequenceUpdate, drafts: list[int], probs: list[float], sampling: DraftSampling
+) -> CandidateTree:
+    """A chain rooted at the update's last token; node i + 1 drawn from the one-entry q row i."""
+    return CandidateTree(
+        seq_id=update.seq_id,
+        round=update.round,
+        tokens=torch.tensor([int(update.new_tokens[-1]), *drafts], dtype=torch.int64),
+        parents=torch.arange(-1, len(drafts), dtype=torch.int64),
+        q_nodes=torch.arange(len(drafts), dtype=torch.int64),
+        q_token_ids=torch.tensor(drafts, dtype=torch.int64)[:, None],  # [num_drafts, 1]
+        q_probs=torch.tensor(probs, dtype=torch.float32)[:, None],  # [num_drafts, 1]
+        sampling=sampling,
+    )
 
 
 class _TreeScratch:
