@@ -87,6 +87,14 @@ def _cmd_check_install(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_draft_dirs(size: str) -> tuple[Path, Path]:
+    """For `outrider draft-server --demo SIZE`: the demo draft LM and tokenizer folders."""
+    from cluster.demo.family import ensure_demo_family
+
+    family = ensure_demo_family(size)
+    return family.draft_dir, family.tokenizer_dir
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="outrider",
@@ -154,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     generate.set_defaults(func=_cmd_generate)
+
+    from draft_worker.server_cli import add_draft_server_parser
+
+    add_draft_server_parser(commands, resolve_demo=_demo_draft_dirs, demo_sizes=sizes)
 
     check = commands.add_parser(
         "check-install",

@@ -4,25 +4,35 @@
     config.py         vLLM-style speculative config dicts -> SpeculativeConfig
     ngram.py          `ngram`: prompt lookup (a chain)
     suffix_tree.py    `suffix`: a tree of the most frequent continuations (SuffixDecoding)
+    draft_model.py    `draft_model`: an independent small LM on the target runner's model code
     tree_builder.py   EAGLE-2 dynamic trees over any batched logits callback
+    server.py         the gRPC draft server; server_cli.py its `outrider draft-server` parser
 
-Importing the package registers the built-in methods.
+Importing the package is cheap (no torch): the names below load on first use, and the
+registry imports the built-in methods the first time it is asked about methods, so the CLI's
+`--help` does not pay for torch.
 """
 
-from draft_worker import ngram, suffix_tree  # noqa: F401 - registers `ngram` and `suffix`
-from draft_worker.config import SpeculativeConfig
-from draft_worker.proposer import Proposer, build_proposer, known_methods, register_proposer, root_only_tree
-from draft_worker.tree_builder import Frontier, LogitsFn, build_trees, draft_generator
+import importlib
 
-__all__ = [
-    "Frontier",
-    "LogitsFn",
-    "Proposer",
-    "SpeculativeConfig",
-    "build_proposer",
-    "build_trees",
-    "draft_generator",
-    "known_methods",
-    "register_proposer",
-    "root_only_tree",
-]
+_EXPORTS = {
+    "SpeculativeConfig": "draft_worker.config",
+    "Proposer": "draft_worker.proposer",
+    "build_proposer": "draft_worker.proposer",
+    "known_methods": "draft_worker.proposer",
+    "parse_speculative_config": "draft_worker.proposer",
+    "register_proposer": "draft_worker.proposer",
+    "root_only_tree": "draft_worker.proposer",
+    "Frontier": "draft_worker.tree_builder",
+    "LogitsFn": "draft_worker.tree_builder",
+    "build_trees": "draft_worker.tree_builder",
+    "draft_generator": "draft_worker.tree_builder",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'draft_worker' has no attribute {name!r}")

@@ -28,6 +28,7 @@ Model-based proposers draft through `tree_builder.build_trees`, which needs one 
 from __future__ import annotations
 
 import abc
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -143,7 +144,17 @@ def register_proposer(method: str) -> Callable[[P], P]:
     return register
 
 
+# Modules whose import registers a built-in method; loaded the first time the registry is read.
+_BUILTIN_MODULES = ("draft_worker.ngram", "draft_worker.suffix_tree", "draft_worker.draft_model")
+
+
+def _load_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
 def known_methods() -> list[str]:
+    _load_builtins()
     return sorted(_PROPOSERS)
 
 
@@ -158,6 +169,7 @@ def build_proposer(
 def parse_speculative_config(config: Mapping[str, Any]) -> SpeculativeConfig:
     """Check a vLLM-style dict against its method's keys without building anything (config edges)."""
     method = config.get("method")
+    _load_builtins()
     if method not in _PROPOSERS:
         raise ValueError(
             f"unknown speculative method {method!r}; known methods: {', '.join(known_methods())}"

@@ -119,13 +119,8 @@ def build_server_proposer(
     method: str, options: dict[str, Any], model_dir: Path | None, tokenizer_dir: Path
 ) -> Proposer:
     """The proposer for `method` with vLLM-style `options`; `model` goes only to methods taking one."""
-    import importlib.util
+    from draft_worker import build_proposer
 
-    from draft_worker import build_proposer, known_methods
-
-    if method not in known_methods() and importlib.util.find_spec(f"draft_worker.{method}") is not None:
-        # A method in draft_worker/<method>.py that the package does not import registers now.
-        importlib.import_module(f"draft_worker.{method}")
     config = {"method": method, **options}
     vocab_size = _vocab_size(model_dir, tokenizer_dir)
     if model_dir is not None and "model" not in config:
