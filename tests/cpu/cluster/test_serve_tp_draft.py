@@ -9,6 +9,9 @@ import time
 import pytest
 from serve_testlib import MODEL, deploy, get, local_serve, metric, post
 
+pytestmark = pytest.mark.slow  # a local Ray cluster with several replicas: minutes on 2 cores
+
+
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n"]
 
 
