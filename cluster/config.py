@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.gpu_pools import GpuPoolConfig
 
@@ -197,12 +197,18 @@ class OutriderArgs(_Strict):
     )
     ingress_num_cpus: float = Field(0.0, ge=0, description="CPUs Ray reserves for the HTTP ingress replica.")
 
-    @field_validator("speculative_config")
-    @classmethod
-    def _check_speculative_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None:
-            parse_speculative(value)  # raises ValueError naming the bad key
-        return value
+    @model_validator(mode="after")
+    def _check_speculative_config(self) -> OutriderArgs:
+        if self.speculative_config is not None:
+            config = self.speculative_config
+            if self.model is None and config.get("method") == "draft_model" and "model" not in config:
+                # Serving the demo: its own draft LM is filled in once the family is resolved.
+                config = {**config, "model": "<demo draft>"}
+            try:
+                parse_speculative(config)
+            except ValueError as e:  # a model-level check: name the field in the message
+                raise ValueError(f"speculative_config: {e}") from e
+        return self
 
     @property
     def speculative(self) -> dict[str, Any] | None:
