@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 # CPU wheel. On a GPU machine set TORCH=torch (the CUDA build from PyPI).
 TORCH ?= torch==2.13.0
 SIZE ?= small
+PORT ?= 8000
 
 .PHONY: install demo test lint clean-venv
 
@@ -23,9 +24,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(VENV)/bin/outrider check-install
 	touch $@
 
+# Serves the demo family (built on first use, then cached) with speculation on an embedded
+# local Ray; prints the URL when ready, Ctrl-C stops it.
 demo: install
-	$(VENV)/bin/outrider demo build --size $(SIZE)
-	$(VENV)/bin/outrider generate --demo $(SIZE) --prompt "def fibonacci(n):" --max-new-tokens 64
+	$(VENV)/bin/outrider serve --demo $(SIZE) --port $(PORT)
 
 test: install
 	$(PY) -m pytest tests/cpu -q

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="generate from one prompt, without speculation (a smoke test of a model folder)",
         description="Plain generation from one prompt with the `transformers` reference implementation. "
-        "Speculative serving is `outrider serve` (coming with the serving layer).",
+        "Speculative serving is `outrider serve`.",
     )
     source = generate.add_mutually_exclusive_group()
     source.add_argument(
