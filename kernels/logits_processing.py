@@ -8,17 +8,37 @@ temperature 0 are greedy and come out as a one-hot argmax (first index on ties).
 
 Disabled values: top_k <= 0 or >= vocab, top_p >= 1, min_p <= 0.
 
-Torch only, on every device: the work is a sort over the vocabulary, which torch already
-does at memory speed; a Triton version would be a pivot search (as in recent vLLM) and is
-worth writing only once a profile shows this op on a GPU's critical path.
+Two implementations, same signature, picked by `backend` (kernels/backend.py; auto = Triton
+on CUDA, torch elsewhere): the torch reference below sorts the vocabulary;
+`logits_processing_triton` finds the top-k and top-p cuts by bisection over the values
+instead (no sort). They agree up to float rounding except on ties at a top-k / top-p cut:
+the reference keeps whichever tied tokens its sort ranks first, the kernel keeps all of them
+(and a token exactly at the min-p floor, where summation order decides either way).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.backend import Backend, use_triton
+
 
 def process_logits(
+    logits: torch.Tensor,  # [num_rows, vocab] any float dtype
+    temperature: torch.Tensor,  # [num_rows] float; 0 = greedy
+    top_k: torch.Tensor | None = None,  # [num_rows] int
+    top_p: torch.Tensor | None = None,  # [num_rows] float
+    min_p: torch.Tensor | None = None,  # [num_rows] float
+    backend: Backend | None = None,
+) -> torch.Tensor:  # [num_rows, vocab] float32, rows sum to 1
+    if use_triton(backend, logits.device):
+        from kernels.logits_processing_triton import process_logits_triton
+
+        return process_logits_triton(logits, temperature, top_k, top_p, min_p)
+    return _process_logits_reference(logits, temperature, top_k, top_p, min_p)
+
+
+def _process_logits_reference(
     logits: torch.Tensor,  # [num_rows, vocab] any float dtype
     temperature: torch.Tensor,  # [num_rows] float; 0 = greedy
     top_k: torch.Tensor | None = None,  # [num_rows] int
@@ -58,6 +78,7 @@ def _apply_top_k_top_p(
         sorted_probs = sorted_logits.softmax(-1)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         # A token stays if the tokens ranked above it hold less than top_p; the first always stays.
-        outside = (mass_before >= top_p.float()[:, None]) & (rank > 0)
+        # Rows with top_p >= 1 are off: fp32 cumsum rounding can push mass_before to 1 in the tail.
+        outside = (mass_before >= top_p.float()[:, None]) & (rank > 0) & (top_p < 1)[:, None]
         sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

@@ -26,6 +26,7 @@ _spec.loader.exec_module(_cases)
 test_tree_buffers = _cases.test_tree_buffers
 test_verify_same_samples_from_the_same_randoms = _cases.test_verify_same_samples_from_the_same_randoms
 test_kv_compaction = _cases.test_kv_compaction
+test_logits_processing = _cases.test_logits_processing
 
 
 @pytest.fixture

@@ -36,3 +36,10 @@ def test_min_p_is_relative_to_the_top_token() -> None:
     probs = process_logits(LOGITS, torch.ones(2), min_p=torch.tensor([0.3, 0.0]))
     assert (probs[0] > 0).tolist() == [True, True, True, False, False]
     assert (probs[1] > 0).all()
+
+
+def test_top_p_one_is_off_even_beside_a_row_that_truncates() -> None:
+    # fp32 cumsum rounding must not trim the tail of a top_p = 1 row in a mixed batch.
+    logits = torch.randn(2, 3000, generator=torch.Generator().manual_seed(0)) * 3
+    probs = process_logits(logits, torch.ones(2), top_p=torch.tensor([0.5, 1.0]))
+    assert (probs[1] > 0).all() and (probs[0] > 0).sum() < 3000

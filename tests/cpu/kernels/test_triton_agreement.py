@@ -10,6 +10,7 @@ import torch
 from kernels_testlib import random_trees
 
 from kernels.kv_compaction import compact_kv
+from kernels.logits_processing import process_logits
 from kernels.tree_buffers import build_tree_buffers
 from kernels.verification import draw_verify_randoms, verify
 
@@ -61,3 +62,43 @@ def test_kv_compaction(triton_backend: str, device: str, shape: tuple[int, ...],
     compact_kv(ref, accepted, roots, slot_dim=dim, backend="torch")
     compact_kv(cache, accepted, roots, slot_dim=dim, backend=triton_backend)
     assert torch.equal(ref, cache)
+
+
+@pytest.mark.parametrize(("seed", "vocab"), [(0, 1000), (1, 3000), (2, 37)])
+def test_logits_processing(triton_backend: str, device: str, seed: int, vocab: int) -> None:
+    """Mixed per-row parameters: greedy rows, and top-k / top-p / min-p each on or off.
+
+    Random (tie-free) logits: at a top-k or top-p cut the reference keeps whichever tied
+    tokens its sort ranks first and the kernel keeps them all; without ties both are exact.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rows = 6
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.0, 0.9])
+    top_k = torch.tensor([5, 0, 20, vocab, 3, 40])  # 0 and vocab: off
+    top_p = torch.tensor([0.9, 0.8, 1.0, 0.5, 1.0, 0.95])  # 1: off
+    min_p = torch.tensor([0.0, 0.05, 0.1, 0.0, 0.2, 0.02])  # 0: off
+    args = [t.to(device) for t in (logits, temperature, top_k, top_p, min_p)]
+    ref = process_logits(*args, backend="torch")
+    got = process_logits(*args, backend=triton_backend)
+    assert torch.equal(ref > 0, got > 0)  # the same tokens survive
+    assert torch.allclose(ref, got, atol=1e-6, rtol=1e-5)
+    assert torch.equal(got[0] > 0, torch.nn.functional.one_hot(logits[0].argmax(), vocab).to(device) > 0)
+    # Each filter alone, and none, in a batch of its own (the reference skips a filter that no row uses).
+    for kwargs in ({}, {"top_k": args[2]}, {"top_p": args[3]}, {"min_p": args[4]}):
+        ref = process_logits(args[0], args[1], backend="torch", **kwargs)
+        got = process_logits(args[0], args[1], backend=triton_backend, **kwargs)
+        assert torch.equal(ref > 0, got > 0), kwargs
+        assert torch.allclose(ref, got, atol=1e-6, rtol=1e-5), kwargs
+
+
+def test_logits_processing_keeps_all_ties_at_a_cut(triton_backend: str, device: str) -> None:
+    """The kernel's tie rule (the reference instead keeps whichever tied tokens sort first)."""
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0], [1.0, 1.0, 1.0, 1.0, 0.0]], device=device)
+    probs = process_logits(
+        logits,
+        torch.ones(2, device=device),
+        top_k=torch.tensor([2, 1], device=device),
+        backend=triton_backend,
+    )
+    assert (probs > 0).tolist() == [[True, False, True, True, False], [True, True, True, True, False]]
