@@ -35,3 +35,11 @@ def tiny_family(outrider_home: Path):
     from cluster.demo.family import ensure_demo_family
 
     return ensure_demo_family("tiny", home=outrider_home, progress=False, log=lambda _: None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_family):
+    """The tiny family's tokenizer, loaded with `transformers` as users load it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_family.tokenizer_dir)

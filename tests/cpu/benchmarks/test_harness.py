@@ -11,13 +11,6 @@ from benchmarks.report import DecodeRow, write_report
 from cluster.demo.corpus import is_held_out
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_family):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_family.tokenizer_dir)
-
-
 @pytest.mark.parametrize("name", ["start", "mid"])
 def test_prompt_sets_are_held_out_deterministic_and_sized(tokenizer, name):
     prompts = load_prompts(name, tokenizer, count=6, prompt_tokens=64)
@@ -43,13 +36,22 @@ def test_unknown_set_is_refused(tokenizer):
 def test_report_writes_json_rows_and_markdown(tmp_path):
     rows = [
         DecodeRow("plain", "mid", 0.0, 100.0, 1.0, None).to_dict(),
-        DecodeRow("ngram", "mid", 0.0, 150.0, 1.5, 2.1, extra={"accepted_per_position": [0.6, 0.3]}).to_dict(),
+        DecodeRow(
+            "ngram", "mid", 0.0, 150.0, 1.5, 2.1, extra={"accepted_per_position": [0.6, 0.3]}
+        ).to_dict(),
     ]
     json_path, md_path = write_report("demo", rows, {"model": "tiny"}, title="Demo", results_dir=tmp_path)
     report = json.loads(json_path.read_text())
     assert report["meta"]["model"] == "tiny" and "torch" in report["meta"]
     for row in report["results"]:
-        for key in ("method", "prompt_set", "temperature", "tokens_per_s", "speedup_vs_plain", "acceptance_length"):
+        for key in (
+            "method",
+            "prompt_set",
+            "temperature",
+            "tokens_per_s",
+            "speedup_vs_plain",
+            "acceptance_length",
+        ):
             assert key in row
     assert report["results"][1]["accepted_per_position"] == [0.6, 0.3]
     md = md_path.read_text()

@@ -38,13 +38,6 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_family):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_family.tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
 def runner(tiny_family):
     return ModelRunner.from_pretrained(tiny_family.target_dir, max_model_len=128, kv_cache_rows=4096)
 
