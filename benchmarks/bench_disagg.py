@@ -8,8 +8,9 @@
     p50/p99 of submit -> collect, at batch 1 and 16.
 (b) Tokens/s of the step engine, greedy, `mid` prompts, at batch 1, 4 and 16: plain, the
     draft_model proposer in-process (co-located), and the same proposer in a draft server
-    process (disaggregated). The speculation cache (issue 6 part 5) is not built yet, so the
-    "with cache" rows are absent; see the notes in the report.
+    process (disaggregated). The speculation cache (draft_worker.spec_cache) serves ngram and
+    suffix only (draft_model cannot fork its KV state), so these draft_model rows run without
+    it and the "with cache" rows are absent; see the notes in the report.
 
 Both processes use one torch thread each, so on the 2-core machine they run side by side.
 """
@@ -217,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     notes = (
         f"Demo family `{args.size}`, greedy, `mid` prompts of {args.prompt_tokens} tokens, {args.max_tokens} new "
         "tokens each; draft_model, trees of <= 16 nodes (depth 6, top-4). One torch thread per process. "
-        "The speculation cache (pre-drafting round r+1 while the target verifies round r) is not built yet: "
-        "without it the engine waits for the drafter at the start of every round, so disaggregated = "
+        "The speculation cache (pre-drafting round r+1 while the target verifies round r) exists for ngram "
+        "and suffix only; draft_model cannot fork its KV state, so these rows run without it: "
+        "the engine waits for the drafter at the start of every round, so disaggregated = "
         "co-located + one loopback round trip, and the overlap the issue targets is still to come."
     )
     json_path, _ = write_report(

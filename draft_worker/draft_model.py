@@ -95,6 +95,7 @@ def draft_vocabulary(path: str | Path) -> tuple[int, str | None]:
 @register_proposer("draft_model")
 class DraftModelProposer(Proposer[DraftModelState]):
     Options = DraftModelOptions
+    can_fork = False  # see fork_state
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -147,6 +148,10 @@ class DraftModelProposer(Proposer[DraftModelState]):
     def extend(self, state: DraftModelState, update: SequenceUpdate) -> None:
         # Only bookkeeping: the K/V of the new tokens is computed in `draft`, batched.
         state.tokens.extend(update.new_tokens.tolist())
+
+    def fork_state(self, state: DraftModelState) -> None:
+        """No speculation cache: the state owns a KV extent, which a copy would share and corrupt."""
+        return None
 
     def retire(self, state: DraftModelState) -> None:
         if state.start is not None:

@@ -28,6 +28,7 @@ Model-based proposers draft through `tree_builder.build_trees`, which needs one 
 from __future__ import annotations
 
 import abc
+import copy
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class Proposer(abc.ABC, Generic[StateT]):
     method: ClassVar[str] = ""  # set by @register_proposer
     Options: ClassVar[type] = NoOptions  # the method's own config keys, as dataclass fields
     default_num_speculative_tokens: ClassVar[int | None] = None  # None: the key is required
+    can_fork: ClassVar[bool] = True  # False: `fork_state` always returns None (no speculation cache)
 
     def __init__(self, config: SpeculativeConfig, *, vocab_size: int, device: torch.device | str = "cpu"):
         self.config = config
@@ -86,6 +88,41 @@ class Proposer(abc.ABC, Generic[StateT]):
             live.append(update)
             states.append(state)
         return self.draft(live, states) if live else []
+
+    # ---- speculation (draft_worker.spec_cache): drafting from a hypothetical extension ----
+
+    def fork_state(self, state: StateT) -> StateT | None:
+        """An independent copy of `state` to extend and draft from; None = cannot fork (no speculation).
+
+        The default deep-copies, which suits cheap host-side states (ngram, suffix); a method
+        whose state holds device memory (a KV cache) overrides this.
+        """
+        return copy.deepcopy(state)
+
+    def speculate(
+        self, seq_id: int, updates: Sequence[SequenceUpdate]
+    ) -> list[tuple[CandidateTree, StateT]] | None:
+        """Trees for hypothetical next updates of one sequence, each drafted from a fork of its state.
+
+        The held state is untouched; each returned state is the fork after its update, exactly
+        what `propose` would have extended, so `adopt` can install it when the guess comes true.
+        None when the sequence is unknown or its state cannot be forked.
+        """
+        base = self._states.get(seq_id)
+        if base is None or not updates:
+            return None
+        forks = []
+        for update in updates:
+            fork = self.fork_state(base)
+            if fork is None:
+                return None
+            self.extend(fork, update)
+            forks.append(fork)
+        return list(zip(self.draft(updates, forks), forks, strict=True))
+
+    def adopt(self, seq_id: int, state: StateT) -> None:
+        """Install a state `speculate` returned as the sequence's real state."""
+        self._states[seq_id] = state
 
     def budget(self, update: SequenceUpdate) -> TreeBudget:
         """This round's budget, never past the tree shape this drafter was configured for."""

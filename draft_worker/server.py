@@ -36,7 +36,9 @@ import grpc
 import torch
 
 from draft_worker.proposer import Proposer
+from draft_worker.spec_cache import SpecCache, SpecCacheConfig, supports_speculation
 from proto import (
+    CandidateTree,
     DraftRequest,
     HandshakeMismatchError,
     HandshakeRequest,
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 DRAFT_SERVICE = pb.DESCRIPTOR.services_by_name["DraftService"].full_name  # "outrider.v1.DraftService"
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # a 256-sequence batch of 64-node trees is ~1 MiB
 DEFAULT_MAX_BATCH = 256
+DEFAULT_SPEC_CACHE = SpecCacheConfig()
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,12 @@ class ServerStats:
     trees_sent: int = 0
     invalid_updates: int = 0
     drafting_s: float = 0.0  # time inside propose()
+    # The speculation cache (draft_worker.spec_cache): trees answered without drafting,
+    # eligible updates that found none, drafting time the hits saved, time spent pre-drafting.
+    spec_cache_hits: int = 0
+    spec_cache_misses: int = 0
+    spec_cache_saved_s: float = 0.0
+    spec_drafting_s: float = 0.0
 
 
 class _Stream:
@@ -96,9 +105,17 @@ _Item = tuple[_Stream, SequenceUpdate | None, InvalidDraftError | None]
 class DraftBatcher:
     """The drafting loop: gathers pending updates from all streams, one propose per batch."""
 
-    def __init__(self, proposer: Proposer, identity: DraftIdentity, limits: Limits):
+    def __init__(
+        self,
+        proposer: Proposer,
+        identity: DraftIdentity,
+        limits: Limits,
+        speculation_cache: SpecCacheConfig | None = DEFAULT_SPEC_CACHE,
+    ):
         self.proposer, self.identity, self.limits = proposer, identity, limits
-        self.stats = ServerStats()
+        self._stats = ServerStats()
+        use_cache = speculation_cache is not None and supports_speculation(proposer)
+        self.spec_cache = SpecCache(proposer, speculation_cache) if use_cache else None
         self._cond = threading.Condition()
         self._pending: list[_Item] = []
         self._streams: set[_Stream] = set()
@@ -109,10 +126,18 @@ class DraftBatcher:
         self._thread = threading.Thread(target=self._run, name="draft-batcher", daemon=True)
         self._thread.start()
 
+    @property
+    def stats(self) -> ServerStats:
+        if self.spec_cache is not None:
+            spec = self.spec_cache.stats
+            self._stats.spec_cache_hits, self._stats.spec_cache_misses = spec.hits, spec.misses
+            self._stats.spec_cache_saved_s, self._stats.spec_drafting_s = spec.saved_s, spec.drafting_s
+        return self._stats
+
     def open_stream(self) -> _Stream:
         with self._cond:
             self._next_stream += 1
-            self.stats.streams_opened += 1
+            self._stats.streams_opened += 1
             stream = _Stream(self._next_stream)
             self._streams.add(stream)
             return stream
@@ -169,18 +194,31 @@ class DraftBatcher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._stopping:
+                while not self._pending and not self._stopping and not self._idle_work():
                     self._cond.wait()
                 if self._stopping:
                     return
                 items, self._pending = self._pending, []
-                self._busy = True
+                self._busy = bool(items)
+            if not items:  # idle: pre-draft one sequence's next round
+                self._speculate()
+                continue
             try:
                 self._draft(items)
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _idle_work(self) -> bool:
+        return self.spec_cache is not None and self.spec_cache.has_work()
+
+    def _speculate(self) -> None:
+        """One sequence's speculation; a real round that arrives meanwhile waits only for it."""
+        try:
+            self.spec_cache.run_one()
+        except Exception:  # a failed guess costs only the cache
+            log.exception("speculation failed")
 
     def _draft(self, items: list[_Item]) -> None:
         batch: dict[int, SequenceUpdate] = {}  # internal id -> this batch's (merged) update
@@ -189,7 +227,7 @@ class DraftBatcher:
             if update is None:
                 closing.append(stream)
             elif error is not None:
-                self.stats.invalid_updates += 1
+                self._stats.invalid_updates += 1
                 log.warning("stream %d: %s; the sequence waits for a reset", stream.number, error)
                 stream.desynced.add(update.seq_id)
                 self._forget(stream, update.seq_id, batch)
@@ -207,6 +245,12 @@ class DraftBatcher:
         for stream in closing:
             for seq_id in list(stream.internal):
                 self._forget(stream, seq_id, batch)
+        if batch and self.spec_cache is not None:
+            if any(u.finished for u in batch.values()):
+                self.spec_cache.retired()
+            hits = {u.seq_id: self.spec_cache.lookup(u) for u in batch.values()}
+            self._send([t for t in hits.values() if t is not None])
+            batch = {i: u for i, u in batch.items() if hits[i] is None}
         if batch:
             self._propose(list(batch.values()))
         with self._cond:
@@ -226,17 +270,25 @@ class DraftBatcher:
                 self._forget(stream, seq_id, None)
             return
         finally:
-            self.stats.drafting_s += time.perf_counter() - started
-            self.stats.batches += 1
+            self._stats.drafting_s += time.perf_counter() - started
+            self._stats.batches += 1
+        if self.spec_cache is not None:
+            by_id = {u.seq_id: u for u in updates}
+            for tree in trees:
+                self.spec_cache.schedule(by_id[tree.seq_id], tree)
+        self._send(trees)
+
+    def _send(self, trees: list[CandidateTree]) -> None:
+        """Send trees (proposer ids) to their streams, re-labelled with the targets' seq_ids."""
         replies: dict[_Stream, list[pb.CandidateTree]] = {}
         for tree in trees:
-            if tree.seq_id not in owners:
+            if tree.seq_id not in self._owner:
                 continue
-            stream, seq_id = owners[tree.seq_id]
+            stream, seq_id = self._owner[tree.seq_id]
             tree.seq_id = seq_id
             replies.setdefault(stream, []).append(tree.to_proto())
         for stream, messages in replies.items():
-            self.stats.trees_sent += len(messages)
+            self._stats.trees_sent += len(messages)
             for start in range(0, len(messages), self.limits.max_batch):
                 stream.outbox.put(pb.DraftResponse(trees=messages[start : start + self.limits.max_batch]))
 
@@ -254,6 +306,8 @@ class DraftBatcher:
         if internal is None:
             return
         self._owner.pop(internal, None)
+        if self.spec_cache is not None:
+            self.spec_cache.forget(internal)
         if batch is not None:
             batch[internal] = _tombstone(internal)
 
@@ -420,14 +474,19 @@ def serve(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_batch: int = DEFAULT_MAX_BATCH,
     max_streams: int = 64,
+    speculation_cache: SpecCacheConfig | None = DEFAULT_SPEC_CACHE,
 ) -> DraftServer:
-    """Start serving `proposer` on `address` ("host:port"; port 0 = any free port)."""
+    """Start serving `proposer` on `address` ("host:port"; port 0 = any free port).
+
+    `speculation_cache` None turns pre-drafting off; it is off anyway for proposers that
+    cannot fork their state (see draft_worker.spec_cache).
+    """
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
     budget = proposer.config.budget
     limits = Limits(max_batch, budget.max_nodes, budget.max_depth, budget.top_k)
-    servicer = DraftServicer(DraftBatcher(proposer, identity, limits))
+    servicer = DraftServicer(DraftBatcher(proposer, identity, limits, speculation_cache))
     workers = max_streams + 8
     interceptors = [TokenInterceptor(token)] if token else []
     # Every Draft stream holds a pool thread for its lifetime; the rest serve unary calls.

@@ -65,6 +65,17 @@ def add_draft_server_parser(
     )
     parser.add_argument("--token-file", metavar="FILE", help="require `authorization: Bearer <token>`")
     parser.add_argument(
+        "--no-speculation-cache",
+        action="store_true",
+        help="do not pre-draft the next round while the target verifies (ngram and suffix only)",
+    )
+    parser.add_argument(
+        "--speculation-outcomes",
+        type=int,
+        default=4,
+        help="verify outcomes pre-drafted per sequence and round (default: %(default)s)",
+    )
+    parser.add_argument(
         "--grace-s", type=float, default=10.0, help="drain time on shutdown (default: %(default)s)"
     )
     parser.set_defaults(func=lambda args: run_draft_server(args, resolve_demo))
@@ -73,6 +84,7 @@ def add_draft_server_parser(
 
 def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None = None) -> int:
     from draft_worker.server import DraftIdentity, ServerTls, serve
+    from draft_worker.spec_cache import SpecCacheConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model_dir, tokenizer_dir, model_id = _model_folders(args, resolve_demo)
@@ -105,6 +117,7 @@ def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None
         token=token,
         max_message_bytes=args.max_message_mb << 20,
         max_batch=args.max_batch,
+        speculation_cache=None if args.no_speculation_cache else SpecCacheConfig(args.speculation_outcomes),
     )
     print(f"draft server: {args.method} ({model_id}) on port {server.port}", flush=True)
     stop = threading.Event()

@@ -1,0 +1,202 @@
+"""The speculation cache: pre-draft round r+1 while the target verifies round r.
+
+After round r's tree for a sequence is sent, the drafter is idle until the target's next
+delta arrives. That delta is always `accepted path + one token` (the recovered or bonus
+token at the end of the accepted path), so the drafter can guess it from its own tree:
+
+    tree r:   root -> a -> b -> c           outcomes, scored by the tree's own q:
+                                             accept a b c, bonus x   p(abc) * q(x | abc)
+                                             accept a, bonus y       p(a) * q(y | a), y not b
+    for the top `max_outcomes`: fork the sequence's state, extend it with the delta, draft
+    -> cache[seq] = {delta: (tree r+1, extended state)}
+
+A bonus token must differ from every child the tree already holds at the end node (a drafted
+child that matched would have been accepted), so it comes from the end node's q row minus
+its children; at a leaf, from the root q row of a tree drafted from the state extended by the
+path alone. When the real delta arrives and equals a cached one (same budget and sampling, no
+features, no reset), the cached tree answers at once, re-labelled with the update's round,
+and the extended fork becomes the sequence's real state: it is exactly the state `propose`
+would have built, so the tree is exactly the one `propose` would have drafted.
+
+Speculation runs on the drafting thread only when no real update is pending, one sequence
+at a time, so it never delays a real round by more than one sequence's speculation. A
+proposer whose `fork_state` returns None (draft_model: its KV extent cannot be copied
+cheaply) or that needs target features (unknown in advance) is never speculated for. When a
+batch retires a sequence and the proposer keeps cross-sequence state in `retire` (suffix's
+shared trie), every cached entry is dropped: its tree was drafted before that state changed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from draft_worker.proposer import Proposer
+from proto import CandidateTree, SequenceUpdate
+
+
+@dataclass(frozen=True)
+class SpecCacheConfig:
+    max_outcomes: int = 4  # pre-drafted outcomes per sequence and round
+    bonus_per_node: int = 2  # bonus-token guesses per end node before the top-M cut
+
+
+@dataclass
+class SpecStats:
+    hits: int = 0
+    misses: int = 0  # eligible updates (not reset/finished, no features) that found no entry
+    saved_s: float = 0.0  # drafting the hits did not do: each hit's share of its speculate() call
+    drafting_s: float = 0.0  # all time spent speculating (outcome probes included), hits or not
+
+
+@dataclass
+class _Entry:
+    update: SequenceUpdate  # the hypothetical update that was drafted
+    tree: CandidateTree
+    state: Any
+    cost_s: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    score: float
+    path: tuple[int, ...]  # accepted draft tokens (tree nodes below the root)
+    bonus: int
+
+    @property
+    def delta(self) -> tuple[int, ...]:
+        return (*self.path, self.bonus)
+
+
+def supports_speculation(proposer: Any) -> bool:
+    """Whether the proposer has the fork API (test doubles and wrappers may not)."""
+    return isinstance(proposer, Proposer) and proposer.can_fork and not proposer.feature_spec.needs_features
+
+
+def tree_paths(tree: CandidateTree) -> list[tuple[float, int, tuple[int, ...]]]:
+    """(path probability under the tree's q, end node, path tokens) for every node but the root."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    rows = q_rows(tree)
+    prob, paths = [1.0], [()]
+    out = []
+    for node in range(1, len(tokens)):
+        parent = parents[node]
+        prob.append(prob[parent] * rows.get(parent, {}).get(tokens[node], 0.0))
+        paths.append((*paths[parent], tokens[node]))
+        out.append((prob[node], node, paths[node]))
+    return out
+
+
+def q_rows(tree: CandidateTree) -> dict[int, dict[int, float]]:
+    """Each expanded node's q as {token: probability}, padding dropped."""
+    rows: dict[int, dict[int, float]] = {}
+    ids, probs = tree.q_token_ids.tolist(), tree.q_probs.tolist()
+    for row, node in enumerate(tree.q_nodes.tolist()):
+        rows[node] = {t: p for t, p in zip(ids[row], probs[row], strict=True) if t >= 0 and p > 0}
+    return rows
+
+
+def _top(row: dict[int, float], exclude: set[int], count: int) -> list[tuple[int, float]]:
+    ranked = sorted(((p, -t) for t, p in row.items() if t not in exclude), reverse=True)
+    return [(-t, p) for p, t in ranked[:count]]
+
+
+class SpecCache:
+    """Per-sequence pre-drafted trees for the next round; drafting-thread only."""
+
+    def __init__(self, proposer: Proposer, config: SpecCacheConfig):
+        self.proposer, self.config = proposer, config
+        self.stats = SpecStats()
+        self._entries: dict[int, dict[tuple[int, ...], _Entry]] = {}  # seq_id -> delta -> entry
+        self._jobs: dict[int, tuple[SequenceUpdate, CandidateTree]] = {}  # seq_id -> round r's pair
+        self._retire_shares = type(proposer).retire is not Proposer.retire
+
+    # ---- the real rounds -------------------------------------------------------------------
+
+    def lookup(self, update: SequenceUpdate) -> CandidateTree | None:
+        """The cached tree for this real update (its state adopted), or None; counts hit or miss."""
+        self._jobs.pop(update.seq_id, None)
+        entries = self._entries.pop(update.seq_id, None)
+        if update.finished or update.reset or update.features is not None:
+            return None
+        entry = entries.get(tuple(update.new_tokens.tolist())) if entries else None
+        if entry is None or entry.update.budget != update.budget or entry.update.sampling != update.sampling:
+            self.stats.misses += 1
+            return None
+        self.proposer.adopt(update.seq_id, entry.state)
+        self.stats.hits += 1
+        self.stats.saved_s += entry.cost_s
+        return replace(entry.tree, round=update.round)
+
+    def schedule(self, update: SequenceUpdate, tree: CandidateTree) -> None:
+        """Round `update.round` was answered with `tree`: pre-draft the next round when idle."""
+        if not update.finished and update.features is None and tree.num_nodes > 1:
+            self._jobs[update.seq_id] = (update, tree)
+
+    def forget(self, seq_id: int) -> None:
+        self._jobs.pop(seq_id, None)
+        self._entries.pop(seq_id, None)
+
+    def retired(self) -> None:
+        """A sequence was retired: entries drafted before a shared-state change are stale."""
+        if self._retire_shares:
+            self._entries.clear()
+
+    # ---- idle time -------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    def run_one(self) -> None:
+        """Speculate for one scheduled sequence."""
+        seq_id = next(iter(self._jobs))
+        update, tree = self._jobs.pop(seq_id)
+        started = time.perf_counter()
+        outcomes = self.outcomes(update, tree)
+        updates = [
+            replace(update, round=update.round + 1, new_tokens=_tensor(o.delta, update)) for o in outcomes
+        ]
+        drafting = time.perf_counter()
+        drafted = self.proposer.speculate(seq_id, updates) if updates else None
+        done = time.perf_counter()
+        self.stats.drafting_s += done - started
+        if drafted:
+            share = (done - drafting) / len(drafted)  # fork + extend + draft of one outcome
+            self._entries[seq_id] = {
+                o.delta: _Entry(u, t, s, share)
+                for o, u, (t, s) in zip(outcomes, updates, drafted, strict=True)
+            }
+
+    def outcomes(self, update: SequenceUpdate, tree: CandidateTree) -> list[Outcome]:
+        """The `max_outcomes` most likely (accepted path, bonus token) pairs, best first."""
+        rows, per_node = q_rows(tree), self.config.bonus_per_node
+        children: dict[int, set[int]] = {}
+        for node, parent in enumerate(tree.parents.tolist()[1:], start=1):
+            children.setdefault(parent, set()).add(int(tree.tokens[node]))
+        candidates: list[Outcome] = []
+        leaves: list[tuple[float, tuple[int, ...]]] = []
+        for prob, node, path in [(1.0, 0, ()), *tree_paths(tree)]:
+            if prob <= 0:
+                continue
+            if node in rows:
+                for token, q in _top(rows[node], children.get(node, set()), per_node):
+                    candidates.append(Outcome(prob * q, path, token))
+            elif node not in children:
+                leaves.append((prob, path))
+        # Leaves carry no q row: ask the drafter what follows each likely full path.
+        leaves = sorted(leaves, reverse=True)[: self.config.max_outcomes]
+        probes = [replace(update, round=update.round + 1, new_tokens=_tensor(p, update)) for _, p in leaves]
+        drafted = self.proposer.speculate(update.seq_id, probes) if probes else None
+        for (prob, path), (probe_tree, _) in zip(leaves, drafted or [], strict=False):
+            root_row = q_rows(probe_tree).get(0, {})
+            for token, q in _top(root_row, set(), per_node):
+                candidates.append(Outcome(prob * q, path, token))
+        candidates.sort(key=lambda o: (-o.score, len(o.path), o.delta))
+        return candidates[: self.config.max_outcomes]
+
+
+def _tensor(tokens: tuple[int, ...], like: SequenceUpdate) -> torch.Tensor:
+    return torch.tensor(tokens, dtype=like.new_tokens.dtype)

@@ -1,0 +1,168 @@
+"""The speculation cache (draft_worker.spec_cache): a cached tree is exactly the tree propose()
+builds from the same extended state; a delta nobody guessed is a counted miss; and through a
+real server, client and engine, greedy output with the cache on equals speculation off while
+a repetitive prompt scores hits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_worker import build_proposer
+from draft_worker.server import DraftIdentity, serve
+from draft_worker.server_cli import build_server_proposer
+from draft_worker.spec_cache import SpecCache, SpecCacheConfig, supports_speculation
+from proto import HandshakeRequest, Limits, SamplingParams, SequenceUpdate, TreeBudget
+from target_worker.draft_client import DraftClientConfig, RemoteDraftSource, tokenizer_fingerprint
+from target_worker.engine import Engine
+from target_worker.runner import ModelRunner
+from target_worker.sequence import RequestParams
+
+VOCAB = 50
+BUDGET = TreeBudget(max_nodes=8, max_depth=4, top_k=2)
+CONFIGS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+}
+REPEAT = [3, 7, 9, 11, 3, 7, 9, 12, 3, 7, 9, 11, 3, 7, 9]
+
+
+def make_update(seq_id: int, round: int, tokens: list[int], reset: bool = False) -> SequenceUpdate:
+    return SequenceUpdate(
+        seq_id, round, torch.tensor(tokens, dtype=torch.int64), SamplingParams(), BUDGET, reset=reset
+    )
+
+
+def same_tree(a, b) -> bool:
+    return (
+        all(
+            torch.equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "parents", "q_nodes", "q_token_ids")
+        )
+        and torch.allclose(a.q_probs, b.q_probs)
+        and (a.seq_id, a.round, a.sampling) == (b.seq_id, b.round, b.sampling)
+    )
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+def test_a_cached_tree_is_the_tree_propose_builds(method):
+    proposer = build_proposer(CONFIGS[method], vocab_size=VOCAB)
+    cache = SpecCache(proposer, SpecCacheConfig(max_outcomes=4))
+    first = make_update(1, 1, REPEAT, reset=True)
+    (tree,) = proposer.propose([first])
+    cache.schedule(first, tree)
+    assert cache.has_work()
+    cache.run_one()
+    outcomes = cache.outcomes(first, tree)
+    assert outcomes, "a repetitive context has a likely outcome"
+    for outcome in outcomes:
+        # A fresh proposer fed the same history and this delta drafts the same tree.
+        fresh = build_proposer(CONFIGS[method], vocab_size=VOCAB)
+        fresh.propose([first])
+        (expected,) = fresh.propose([make_update(1, 2, list(outcome.delta))])
+        entry = cache._entries[1][outcome.delta]
+        assert same_tree(entry.tree, expected)
+    # A hit answers with that tree and adopts the extended state: the round after matches too.
+    best = outcomes[0]
+    hit = cache.lookup(make_update(1, 2, list(best.delta)))
+    assert hit is not None and cache.stats.hits == 1 and cache.stats.saved_s > 0
+    reference = build_proposer(CONFIGS[method], vocab_size=VOCAB)
+    reference.propose([first])
+    (expected,) = reference.propose([make_update(1, 2, list(best.delta))])
+    assert same_tree(hit, expected)
+    later = make_update(1, 3, [int(hit.tokens[1]), 5])
+    assert same_tree(proposer.propose([later])[0], reference.propose([later])[0])
+
+
+def test_a_delta_nobody_guessed_is_a_miss():
+    proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
+    cache = SpecCache(proposer, SpecCacheConfig())
+    first = make_update(1, 1, REPEAT, reset=True)
+    (tree,) = proposer.propose([first])
+    cache.schedule(first, tree)
+    cache.run_one()
+    assert cache.lookup(make_update(1, 2, [42, 43])) is None
+    assert (cache.stats.hits, cache.stats.misses) == (0, 1)
+    # Resets and finished sequences are neither hits nor misses.
+    assert cache.lookup(make_update(1, 3, REPEAT, reset=True)) is None
+    assert cache.stats.misses == 1
+
+
+def test_draft_model_does_not_speculate(tiny_family):
+    proposer = build_server_proposer(
+        "draft_model", {"num_speculative_tokens": 4}, tiny_family.draft_dir, tiny_family.tokenizer_dir
+    )
+    first = make_update(1, 1, [5, 6, 7], reset=True)
+    proposer.propose([first])
+    assert not supports_speculation(proposer)  # so the server never builds a cache for it
+    assert proposer.speculate(1, [make_update(1, 2, [8, 9])]) is None  # and forking is refused
+
+
+# ---- through a real server, client and engine ----------------------------------------------
+
+PROMPTS = [
+    "    if value is None:\n        return None\n    if value is None:\n        return None\n    if value",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_family):
+    return ModelRunner.from_pretrained(tiny_family.target_dir, max_model_len=512, kv_cache_rows=8 * 512)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_family):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_family.tokenizer_dir / "tokenizer.json"))
+    return [tokenizer.encode(text).ids for text in PROMPTS]
+
+
+def generate(runner, prompts, source=None):
+    engine = Engine(runner, source, eos_token_id=None, max_batch=16, tree_budget=BUDGET, draft_timeout_s=None)
+    completions = engine.generate(prompts, RequestParams(max_tokens=32, ignore_eos=True))
+    return [c.token_ids for c in completions]
+
+
+def connect(family, port: int) -> RemoteDraftSource:
+    import json
+
+    hf = json.loads((family.target_dir / "config.json").read_text())
+    request = HandshakeRequest(
+        target_model_id="demo-tiny-target",
+        vocab_size=hf["vocab_size"],
+        vocab_fingerprint=tokenizer_fingerprint(family.tokenizer_dir),
+        target_num_layers=hf["num_hidden_layers"],
+        target_hidden_size=hf["hidden_size"],
+        limits=Limits(max_batch=64, max_nodes=16, max_depth=8, max_top_k=4),
+    )
+    config = DraftClientConfig(round_deadline_s=5.0, backoff_initial_s=0.02, backoff_max_s=0.2)
+    return RemoteDraftSource([f"127.0.0.1:{port}"], request, config)
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+def test_greedy_output_with_the_cache_equals_speculation_off(tiny_family, runner, prompts, method):
+    plain = generate(runner, prompts)
+    results = {}
+    for cache in (SpecCacheConfig(), None):
+        proposer = build_server_proposer(
+            method, {"num_speculative_tokens": 4}, tiny_family.draft_dir, tiny_family.tokenizer_dir
+        )
+        identity = DraftIdentity(
+            f"test-{method}", proposer.vocab_size, tokenizer_fingerprint(tiny_family.tokenizer_dir)
+        )
+        server = serve(proposer, identity, address="127.0.0.1:0", speculation_cache=cache)
+        source = connect(tiny_family, server.port)
+        try:
+            assert source.wait_ready(10)
+            assert generate(runner, prompts, source) == plain
+            results[cache is not None] = server.stats
+        finally:
+            source.close()
+            server.stop(1)
+    on, off = results[True], results[False]
+    assert on.spec_cache_hits > 0, on
+    assert on.spec_cache_saved_s > 0 and on.spec_drafting_s > 0
+    assert (off.spec_cache_hits, off.spec_cache_misses) == (0, 0)
+    assert on.spec_cache_hits + on.spec_cache_misses <= on.trees_sent == off.trees_sent
