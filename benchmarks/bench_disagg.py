@@ -159,20 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.report import write_report
     from cluster.demo.family import ensure_demo_family
     from draft_worker.server_cli import build_server_proposer
-    from proto import HandshakeRequest, Limits
-    from target_worker.draft_client import DraftClientConfig, RemoteDraftSource, tokenizer_fingerprint
+    from proto import Limits
+    from target_worker.draft_client import DraftClientConfig, RemoteDraftSource, target_handshake
     from target_worker.draft_source import InProcessDraftSource
     from target_worker.runner import ModelRunner
 
     family = ensure_demo_family(args.size)
-    config = json.loads((family.target_dir / "config.json").read_text())
-    handshake = HandshakeRequest(
-        f"demo-{args.size}-target",
-        config["vocab_size"],
-        tokenizer_fingerprint(family.tokenizer_dir),
-        config["num_hidden_layers"],
-        config["hidden_size"],
-        Limits(256, 64, 8, 8),
+    handshake = target_handshake(
+        family.target_dir,
+        family.tokenizer_dir,
+        model_id=f"demo-{args.size}-target",
+        limits=Limits(256, 64, 8, 8),
     )
     rows = [round_trip(family, handshake, batch, args.iterations) for batch in (1, 16)]
 

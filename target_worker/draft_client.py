@@ -24,6 +24,7 @@ endpoint's liveness; splitting the connection loop out would spread that lock ov
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import queue
 import threading
@@ -95,6 +96,22 @@ def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
     from tokenizers import Tokenizer
 
     return vocab_fingerprint(Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json")).get_vocab())
+
+
+def target_handshake(
+    model_dir: str | Path, tokenizer_dir: str | Path, *, model_id: str, limits: Limits, method: str = ""
+) -> HandshakeRequest:
+    """The handshake a target serving the Hugging Face folder `model_dir` sends at connect."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return HandshakeRequest(
+        target_model_id=model_id,
+        vocab_size=config["vocab_size"],
+        vocab_fingerprint=tokenizer_fingerprint(tokenizer_dir),
+        target_num_layers=config["num_hidden_layers"],
+        target_hidden_size=config["hidden_size"],
+        limits=limits,
+        method=method,
+    )
 
 
 @dataclass

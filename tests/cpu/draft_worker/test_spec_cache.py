@@ -13,8 +13,13 @@ from draft_worker import build_proposer
 from draft_worker.server import DraftIdentity, serve
 from draft_worker.server_cli import build_server_proposer
 from draft_worker.spec_cache import SpecCache, SpecCacheConfig, supports_speculation
-from proto import HandshakeRequest, Limits, SamplingParams, SequenceUpdate, TreeBudget
-from target_worker.draft_client import DraftClientConfig, RemoteDraftSource, tokenizer_fingerprint
+from proto import Limits, SamplingParams, SequenceUpdate, TreeBudget
+from target_worker.draft_client import (
+    DraftClientConfig,
+    RemoteDraftSource,
+    target_handshake,
+    tokenizer_fingerprint,
+)
 from target_worker.engine import Engine
 from target_worker.runner import ModelRunner
 from target_worker.sequence import RequestParams
@@ -126,16 +131,9 @@ def generate(runner, prompts, source=None):
 
 
 def connect(family, port: int) -> RemoteDraftSource:
-    import json
-
-    hf = json.loads((family.target_dir / "config.json").read_text())
-    request = HandshakeRequest(
-        target_model_id="demo-tiny-target",
-        vocab_size=hf["vocab_size"],
-        vocab_fingerprint=tokenizer_fingerprint(family.tokenizer_dir),
-        target_num_layers=hf["num_hidden_layers"],
-        target_hidden_size=hf["hidden_size"],
-        limits=Limits(max_batch=64, max_nodes=16, max_depth=8, max_top_k=4),
+    limits = Limits(max_batch=64, max_nodes=16, max_depth=8, max_top_k=4)
+    request = target_handshake(
+        family.target_dir, family.tokenizer_dir, model_id="demo-tiny-target", limits=limits
     )
     config = DraftClientConfig(round_deadline_s=5.0, backoff_initial_s=0.02, backoff_max_s=0.2)
     return RemoteDraftSource([f"127.0.0.1:{port}"], request, config)

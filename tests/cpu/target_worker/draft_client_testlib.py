@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +18,7 @@ from draft_worker.server_cli import build_server_proposer
 from proto import HandshakeRequest, Limits, TreeBudget
 from proto import outrider_pb2 as pb
 from proto import outrider_pb2_grpc as pb_grpc
+from target_worker import draft_client
 from target_worker.draft_client import DraftClientConfig, RemoteDraftSource, tokenizer_fingerprint
 from target_worker.draft_source import DraftSource
 from target_worker.engine import Engine, EngineStats
@@ -62,16 +63,11 @@ def encode_prompts(tokenizer_dir: Path) -> list[list[int]]:
 
 
 def target_handshake(family, **changes) -> HandshakeRequest:
-    hf = json.loads((family.target_dir / "config.json").read_text())
-    fields = dict(
-        target_model_id="demo-tiny-target",
-        vocab_size=hf["vocab_size"],
-        vocab_fingerprint=tokenizer_fingerprint(family.tokenizer_dir),
-        target_num_layers=hf["num_hidden_layers"],
-        target_hidden_size=hf["hidden_size"],
-        limits=Limits(max_batch=64, max_nodes=16, max_depth=8, max_top_k=4),
+    limits = Limits(max_batch=64, max_nodes=16, max_depth=8, max_top_k=4)
+    request = draft_client.target_handshake(
+        family.target_dir, family.tokenizer_dir, model_id="demo-tiny-target", limits=limits
     )
-    return HandshakeRequest(**(fields | changes))
+    return dataclasses.replace(request, **changes)
 
 
 def start_server(family, method: str = "ngram", address: str = "127.0.0.1:0", proposer=None, **kw):
