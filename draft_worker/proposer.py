@@ -182,7 +182,12 @@ def register_proposer(method: str) -> Callable[[P], P]:
 
 
 # Modules whose import registers a built-in method; loaded the first time the registry is read.
-_BUILTIN_MODULES = ("draft_worker.ngram", "draft_worker.suffix_tree", "draft_worker.draft_model")
+_BUILTIN_MODULES = (
+    "draft_worker.ngram",
+    "draft_worker.suffix_tree",
+    "draft_worker.draft_model",
+    "draft_worker.medusa",
+)
 
 
 def _load_builtins() -> None:

@@ -1,0 +1,465 @@
+"""`medusa`: K residual heads on the target's final hidden state and a static tree (arXiv 2401.10774).
+
+    {"method": "medusa", "model": "/path/to/heads", "num_speculative_tokens": 4}                a chain
+    {"method": "medusa", "model": ..., "num_speculative_tokens": 4, "tree_top_k": 4,
+     "tree_max_nodes": 24}                                                     the best 24-node tree
+    {"method": "medusa", "model": ..., "medusa_choices": [[0], [1], [0, 0], ...], ...}   your own tree
+
+Offsets. The hidden state h that the target's LM head turned into the root r also feeds every
+Medusa head, and head k (0-based) predicts the token k + 1 places after r:
+
+    target head(h)   -> r            committed: the root, node 0
+    medusa head 0(h) -> r+1          depth 1
+    medusa head k(h) -> r+k+1        depth k + 1
+
+Under the engine's feature convention (row j of `features` is the target state *before*
+new_tokens[j], the one that predicted it), h is the last row of each update: the feature layer
+is `num_hidden_layers`, the target's final hidden state after its final norm.
+
+A head is ResBlock^L then a linear map to the vocabulary, ResBlock(x) = x + SiLU(W x + b), W
+zero-initialised (Medusa's own layout). The tree is data (STYLE.md 5): a list of paths of
+per-head ranks, `(0, 2)` = the rank-2 token of head 1 under the top token of head 0, compiled
+into buffers once (`StaticTree`) and cut per round to the TreeBudget by priority, prefix-closed.
+Without `medusa_choices` the tree is the best one for the configured budget under the heads'
+measured top-k accuracies (`medusa_accuracy` in config.json, written by training) or a prior.
+
+Children. At T = 0 node (..., r) takes rank r of its head: the tree is DETERMINISTIC. At T > 0
+the q of depth d is head d's distribution after the sequence's own temperature/top-k/top-p,
+cut to the tree's width and renormalised; under the default sampled mode each expanded node
+draws its children from that row (without replacement: the sibling of rank order i is draw i),
+and a child whose draw does not exist (q has too few tokens) is dropped with its subtree; with
+`draft_sampling: deterministic` children are the row's top tokens. Either way the row sent is
+the row used, so verification stays lossless. Heads see only h, never the root itself.
+
+Checkpoints (safetensors only; `.pt`/`.bin` are pickle and refused):
+
+    FasterDecoding  medusa_lm_head.safetensors   {k}.{j}.linear.weight [H, H], {k}.{j}.linear.bias [H]
+                                                 (j < medusa_num_layers), {k}.{L}.weight [V, H]
+                    config.json                  medusa_num_heads, medusa_num_layers, hidden_size,
+                                                 vocab_size, base_model_name_or_path
+    vLLM            *.safetensors                blocks.{k}.layers.{j}.weight (+ .bias), lm_heads.{k}.weight
+                                                 or one shared lm_head.weight, optional token_map
+                    config.json                  num_heads, num_hidden_layers (per head), hidden_size,
+                                                 vocab_size, truncated_vocab_size
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from draft_worker.proposer import Proposer, register_proposer, root_only_tree
+from draft_worker.tree_builder import draft_generator
+from kernels import process_logits
+from proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate, TreeBudget
+from target_worker.loader import DTYPES, CheckpointError, CheckpointReader
+
+log = logging.getLogger(__name__)
+
+HEADS_FILE = "medusa_lm_head.safetensors"
+Path_ = tuple[int, ...]  # one tree node: ranks of heads 0, 1, ... on the way from the root
+
+
+# ---- the heads ------------------------------------------------------------------------------
+
+
+class MedusaHeads(nn.Module):
+    """K heads over one hidden state: [N, H] -> [N, K, V] logits (all heads in batched matmuls)."""
+
+    def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int):
+        super().__init__()
+        k, h = num_heads, hidden_size
+        self.block_weight = nn.Parameter(torch.zeros(k, num_layers, h, h))  # [K, L, H_out, H_in]
+        self.block_bias = nn.Parameter(torch.zeros(k, num_layers, h))  # [K, L, H]
+        self.lm_head = nn.Parameter(torch.empty(k, vocab_size, h).normal_(std=h**-0.5))  # [K, V, H]
+        # vLLM's truncated vocabulary: row i of a head's output is token token_map[i].
+        self.register_buffer("token_map", None)
+
+    @property
+    def num_heads(self) -> int:
+        return self.block_weight.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.block_weight.shape[1]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.block_weight.shape[2]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, K, V_out]
+        x = hidden.to(self.lm_head.dtype)[None].expand(self.num_heads, -1, -1)  # [K, N, H]
+        for j in range(self.num_layers):
+            w, b = self.block_weight[:, j], self.block_bias[:, j]
+            x = x + nn.functional.silu(torch.baddbmm(b[:, None, :], x, w.transpose(1, 2)))
+        return torch.bmm(x, self.lm_head.transpose(1, 2)).transpose(0, 1)  # [N, K, V_out]
+
+    def public_state_dict(self) -> dict[str, torch.Tensor]:
+        """FasterDecoding's key layout (`medusa_lm_head.safetensors`), contiguous CPU tensors."""
+        out = {}
+        for k in range(self.num_heads):
+            for j in range(self.num_layers):
+                out[f"{k}.{j}.linear.weight"] = self.block_weight[k, j].detach().cpu().contiguous()
+                out[f"{k}.{j}.linear.bias"] = self.block_bias[k, j].detach().cpu().contiguous()
+            out[f"{k}.{self.num_layers}.weight"] = self.lm_head[k].detach().cpu().contiguous()
+        return out
+
+
+def load_medusa_heads(path: str | Path, dtype: torch.dtype | None = None) -> tuple[MedusaHeads, dict]:
+    """(heads, config.json) from a FasterDecoding- or vLLM-layout folder; never reads pickle."""
+    path = Path(path)
+    pickled = sorted(p.name for p in (*path.glob("*.pt"), *path.glob("*.bin")))
+    if pickled and not list(path.glob("*.safetensors")):
+        raise CheckpointError(
+            f"medusa: {path} holds only pickle weights ({', '.join(pickled)}), which are never loaded; "
+            f"convert them once, where you trust the file, to safetensors: "
+            f"safetensors.torch.save_file(torch.load(f, weights_only=True), '{HEADS_FILE}')"
+        )
+    reader = CheckpointReader(path)
+    config = reader.config
+    dtype = dtype or reader.checkpoint_dtype
+    if "medusa_num_heads" in config or reader.has("0.0.linear.weight") or reader.has("0.1.weight"):
+        heads = _read_faster_decoding(reader, config, dtype)
+    elif "num_heads" in config and reader.has("blocks.0.layers.0.weight"):
+        heads = _read_vllm(reader, config, dtype)
+    else:
+        raise CheckpointError(
+            f"medusa: {path} is neither FasterDecoding's layout ('{{k}}.0.linear.weight', "
+            "config medusa_num_heads) nor vLLM's ('blocks.{k}.layers.0.weight', config num_heads)"
+        )
+    return heads.eval().requires_grad_(False), config
+
+
+def _read_faster_decoding(reader: CheckpointReader, config: dict, dtype: torch.dtype) -> MedusaHeads:
+    layers = int(config.get("medusa_num_layers", 1))
+    num_heads = int(config.get("medusa_num_heads", 0))
+    while not num_heads and reader.has(f"{num_heads}.{layers}.weight"):
+        num_heads += 1  # no config count: as many heads as the file holds
+    vocab, hidden = reader.shape(f"0.{layers}.weight")
+    heads = MedusaHeads(num_heads, layers, hidden, vocab).to(dtype)
+    for k in range(num_heads):
+        for j in range(layers):
+            heads.block_weight.data[k, j] = reader.read(f"{k}.{j}.linear.weight", dtype)
+            if reader.has(f"{k}.{j}.linear.bias"):
+                heads.block_bias.data[k, j] = reader.read(f"{k}.{j}.linear.bias", dtype)
+        heads.lm_head.data[k] = reader.read(f"{k}.{layers}.weight", dtype)
+    return heads
+
+
+def _read_vllm(reader: CheckpointReader, config: dict, dtype: torch.dtype) -> MedusaHeads:
+    num_heads, layers = int(config["num_heads"]), int(config.get("num_hidden_layers", 1))
+    shared = not reader.has("lm_heads.0.weight")
+    vocab, hidden = reader.shape("lm_head.weight" if shared else "lm_heads.0.weight")
+    heads = MedusaHeads(num_heads, layers, hidden, vocab).to(dtype)
+    for k in range(num_heads):
+        for j in range(layers):
+            heads.block_weight.data[k, j] = reader.read(f"blocks.{k}.layers.{j}.weight", dtype)
+            if reader.has(f"blocks.{k}.layers.{j}.bias"):
+                heads.block_bias.data[k, j] = reader.read(f"blocks.{k}.layers.{j}.bias", dtype)
+        heads.lm_head.data[k] = reader.read("lm_head.weight" if shared else f"lm_heads.{k}.weight", dtype)
+    if reader.has("token_map"):
+        heads.token_map = reader.read("token_map", torch.int64)
+    return heads
+
+
+def target_num_layers(config: dict, options_value: int | None) -> int:
+    """The target's layer count L (its final hidden state is feature layer L)."""
+    if options_value is not None:
+        return options_value
+    # FasterDecoding's full configs are the base model's config plus the medusa_* keys (vLLM's
+    # num_hidden_layers counts the heads' own blocks instead, so it is not read there).
+    if "medusa_num_heads" in config and "num_hidden_layers" in config:
+        return int(config["num_hidden_layers"])
+    base = config.get("base_model_name_or_path")
+    if base and (Path(base) / "config.json").is_file():
+        return int(json.loads((Path(base) / "config.json").read_text())["num_hidden_layers"])
+    raise ValueError(
+        "medusa: cannot tell how many layers the target has (its final hidden state is feature "
+        f"layer num_hidden_layers); base_model_name_or_path = {base!r} is not a local folder. "
+        "Give the key target_num_layers"
+    )
+
+
+# ---- the static tree ------------------------------------------------------------------------
+
+
+# Top-k accuracy of head d at rank r when a checkpoint has no measured table (Medusa-1 heads on
+# Vicuna-7B are roughly 0.6 / 0.45 / 0.35 / 0.3 at rank 0, each further rank a fraction of that).
+def prior_accuracy(num_heads: int, ranks: int = 10) -> list[list[float]]:
+    return [
+        [0.6 * 0.75**d * (0.35 if r else 1.0) * 0.7 ** max(r - 1, 0) for r in range(ranks)]
+        for d in range(num_heads)
+    ]
+
+
+def best_choices(accuracy: Sequence[Sequence[float]], budget: TreeBudget) -> list[Path_]:
+    """The max_nodes - 1 paths of highest value (product of accuracy[depth][rank] along the path),
+    best first: Medusa's tree search under independent per-head accuracies. Values never grow
+    along a path and ties go to the shallower, lower-ranked path, so every prefix of the result
+    is prefix-closed."""
+    depth, width = min(budget.max_depth, len(accuracy)), budget.top_k
+    frontier: list[tuple[float, Path_]] = [(1.0, ())]
+    chosen: list[tuple[float, Path_]] = []
+    while frontier and len(chosen) < budget.max_nodes - 1:
+        value, path = frontier.pop(0)
+        if path:
+            chosen.append((value, path))
+        if len(path) < depth:
+            row = accuracy[len(path)]
+            frontier += [(value * row[r], (*path, r)) for r in range(min(width, len(row)))]
+            frontier.sort(key=lambda item: (-item[0], len(item[1]), item[1]))
+    return [path for _, path in chosen]
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """A prefix-closed list of paths laid out as tree buffers; node 0 is the root.
+
+    Layout: by depth, then by ranks, so parents precede children and siblings go in rank order
+    (the order the verifier tries them).
+    """
+
+    paths: tuple[Path_, ...]  # [N - 1] in priority order (what a smaller budget keeps first)
+    parents: torch.Tensor  # [N] int64; -1 for the root
+    depth: torch.Tensor  # [N] int64; head of a non-root node = depth - 1
+    rank: torch.Tensor  # [N] int64; rank of the node within its head (root: 0)
+    sibling: torch.Tensor  # [N] int64; position among its siblings, in rank order
+    expanded: torch.Tensor  # [E] int64; nodes with children (each gets a q row)
+    width: int  # q row width: the largest rank used + 1
+
+    @classmethod
+    def compile(cls, choices: Sequence[Sequence[int]], num_heads: int) -> StaticTree:
+        paths = tuple(tuple(int(r) for r in path) for path in choices)
+        known = set()
+        for path in paths:
+            if not path or min(path) < 0 or len(path) > num_heads:
+                raise ValueError(f"medusa_choices: {list(path)} must be 1..{num_heads} ranks >= 0")
+            if path in known:
+                raise ValueError(f"medusa_choices: {list(path)} appears twice")
+            if len(path) > 1 and path[:-1] not in known:
+                raise ValueError(
+                    f"medusa_choices: {list(path)} comes before (or without) its prefix {list(path[:-1])}"
+                )
+            known.add(path)
+        layout = [(), *sorted(paths, key=lambda p: (len(p), p))]
+        index = {path: i for i, path in enumerate(layout)}
+        parents = [-1] + [index[p[:-1]] for p in layout[1:]]
+        sibling, seen = [0], {}
+        for p in layout[1:]:
+            sibling.append(seen.get(p[:-1], 0))
+            seen[p[:-1]] = sibling[-1] + 1
+        return cls(
+            paths=paths,
+            parents=torch.tensor(parents),
+            depth=torch.tensor([len(p) for p in layout]),
+            rank=torch.tensor([p[-1] if p else 0 for p in layout]),
+            sibling=torch.tensor(sibling),
+            expanded=torch.tensor(sorted(set(parents[1:])), dtype=torch.int64),
+            width=1 + max((p[-1] for p in paths), default=-1),
+        )
+
+    def cut(self, budget: TreeBudget) -> StaticTree:
+        """The paths a smaller budget keeps: in priority order, within depth and rank, prefix-closed."""
+        kept: list[Path_] = []
+        for path in self.paths:
+            if len(kept) == budget.max_nodes - 1:
+                break
+            fits = len(path) <= budget.max_depth and max(path) < budget.top_k
+            if fits and (len(path) == 1 or path[:-1] in kept):
+                kept.append(path)
+        return StaticTree.compile(kept, max(len(p) for p in self.paths) if self.paths else 1)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[0]
+
+
+# ---- the proposer ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MedusaOptions:
+    model: str | None = None  # heads checkpoint folder (FasterDecoding or vLLM layout, safetensors)
+    medusa_choices: tuple[tuple[int, ...], ...] | None = None  # the tree as paths; default: best_choices
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; default: the checkpoint's
+    target_num_layers: int | None = None  # when config.json cannot tell (public heads of a hub model)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("medusa: the key 'model' (the heads checkpoint folder) is required")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"medusa: dtype {self.dtype!r}; use one of {sorted(DTYPES)}")
+        if self.medusa_choices is not None:  # JSON gives lists; keep the frozen options hashable
+            object.__setattr__(self, "medusa_choices", tuple(tuple(p) for p in self.medusa_choices))
+
+
+@dataclass
+class MedusaState:
+    generator: torch.Generator | None
+    hidden: torch.Tensor | None = None  # [H]; the target state that predicted the current root
+
+
+@register_proposer("medusa")
+class MedusaProposer(Proposer[MedusaState]):
+    Options = MedusaOptions
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        options: MedusaOptions = self.config.options
+        dtype = DTYPES[options.dtype] if options.dtype else None
+        heads, hf_config = load_medusa_heads(options.model, dtype)
+        self.heads = heads.to(self.device)
+        vocab = int(hf_config.get("vocab_size", 0)) or heads.lm_head.shape[1]
+        if vocab != self.vocab_size:
+            raise ValueError(
+                f"medusa: the heads in {options.model} predict {vocab} tokens, the target has {self.vocab_size}"
+            )
+        self.num_layers = target_num_layers(hf_config, options.target_num_layers)
+        budget = self.config.budget
+        if options.medusa_choices is not None:
+            full = StaticTree.compile(options.medusa_choices, heads.num_heads)
+            self.tree = full.cut(budget)
+            if self.tree.num_nodes < full.num_nodes:
+                log.warning(
+                    "medusa: the configured budget (nodes %d, depth %d, top_k %d) keeps %d of the %d "
+                    "medusa_choices nodes; raise num_speculative_tokens / tree_top_k / tree_max_nodes "
+                    "to use them all",
+                    budget.max_nodes,
+                    budget.max_depth,
+                    budget.top_k,
+                    self.tree.num_nodes,
+                    full.num_nodes,
+                )
+        else:
+            accuracy = hf_config.get("medusa_accuracy") or prior_accuracy(heads.num_heads)
+            self.tree = StaticTree.compile(best_choices(accuracy[: heads.num_heads], budget), heads.num_heads)
+        self._cut: dict[TreeBudget, StaticTree] = {}
+
+    @property
+    def feature_spec(self) -> FeatureSpec:
+        name = {v: k for k, v in DTYPES.items()}[self.heads.lm_head.dtype]
+        return FeatureSpec(layer_ids=(self.num_layers,), hidden_size=self.heads.hidden_size, dtype=name)
+
+    def new_state(self, update: SequenceUpdate) -> MedusaState:
+        return MedusaState(draft_generator(update.sampling.seed))
+
+    def extend(self, state: MedusaState, update: SequenceUpdate) -> None:
+        if update.finished or update.new_tokens.shape[0] == 0:
+            return
+        if update.features is None or update.features.shape[0] != update.new_tokens.shape[0]:
+            got = "none" if update.features is None else f"{update.features.shape[0]} rows"
+            raise ValueError(
+                f"medusa: seq {update.seq_id} round {update.round}: {update.new_tokens.shape[0]} new tokens "
+                f"need as many rows of the target's final hidden state, got {got}"
+            )
+        state.hidden = update.features[-1]
+
+    def tree_for(self, budget: TreeBudget) -> StaticTree:
+        """The compiled tree cut to `budget` (once per distinct budget)."""
+        if budget not in self._cut:
+            self._cut[budget] = self.tree.cut(budget)
+        return self._cut[budget]
+
+    @torch.inference_mode()
+    def draft(self, updates: Sequence[SequenceUpdate], states: Sequence[MedusaState]) -> list[CandidateTree]:
+        trees = [self.tree_for(self.budget(u)) for u in updates]
+        drafting = [b for b, t in enumerate(trees) if t.num_nodes > 1 and states[b].hidden is not None]
+        out = [root_only_tree(u) for u in updates]
+        if not drafting:
+            return out
+        hidden = torch.stack([states[b].hidden for b in drafting]).to(self.device)  # [B', H]
+        logits = self.heads(hidden)  # [B', K, V_out]
+        width = max(trees[b].width for b in drafting)
+        params = [updates[b].sampling for b in drafting]
+        q = head_probs(logits, params)  # [B', K, V_out]
+        weights, ids = q.topk(width, dim=-1)  # [B', K, width]
+        if self.heads.token_map is not None:
+            ids = self.heads.token_map[ids]
+        weights, ids = weights.cpu(), ids.cpu()
+        for i, b in enumerate(drafting):
+            mode = DraftSampling.DETERMINISTIC if params[i].greedy else self.config.sampled_mode
+            out[b] = self._tree(updates[b], states[b], trees[b], weights[i], ids[i], mode)
+        return out
+
+    def _tree(
+        self,
+        update: SequenceUpdate,
+        state: MedusaState,
+        tree: StaticTree,
+        weights: torch.Tensor,  # [K, width] float32; each head's top q, sorted
+        ids: torch.Tensor,  # [K, width] int64
+        mode: DraftSampling,
+    ) -> CandidateTree:
+        width, n = tree.width, tree.num_nodes
+        weights, ids = weights[:, :width], torch.where(weights[:, :width] > 0, ids[:, :width], -1)
+        head = (tree.depth - 1).clamp(min=0)  # [N]; the head each node's token comes from
+        if mode == DraftSampling.DETERMINISTIC:
+            rows = weights  # top-k children: the sent row is the head's q itself
+            pick = tree.rank  # [N]
+            tokens = ids[head, pick]
+        else:
+            rows = weights / weights.sum(-1, keepdim=True)  # the q the children are drawn from
+            e = tree.expanded.shape[0]
+            uniforms = torch.rand(e, width, generator=state.generator).clamp_(
+                min=torch.finfo(torch.float32).tiny
+            )
+            parent_head = tree.depth[tree.expanded]  # [E]; children of an expanded node come from its depth
+            row = rows[parent_head]  # [E, width]
+            if mode == DraftSampling.WITHOUT_REPLACEMENT:  # Gumbel-top-k: draws in order
+                keys = row.log() - (-uniforms.log()).log()
+                draws = ids[parent_head].gather(1, keys.argsort(1, descending=True))
+            else:  # i.i.d. inverse-CDF draws
+                cdf = row.cumsum(-1)
+                picks = (cdf[:, None, :] <= uniforms[:, :, None] * cdf[:, -1:, None]).sum(-1)
+                picks = torch.minimum(picks, (row > 0).sum(-1, keepdim=True) - 1)
+                draws = ids[parent_head].gather(1, picks)
+            slot = torch.full((n,), -1, dtype=torch.int64)
+            slot[tree.expanded] = torch.arange(e)
+            pick = tree.sibling
+            tokens = draws[slot[tree.parents.clamp(min=0)], pick.clamp(max=width - 1)]
+        # A node exists while its head has a pick-th token and so does every ancestor.
+        exists = (pick < (weights > 0).sum(-1)[head]) | (tree.depth == 0)
+        for _ in range(int(tree.depth.max())):
+            exists &= exists[tree.parents.clamp(min=0)]
+        kept = exists.nonzero().squeeze(1)  # [M]; parents precede children, so order is kept
+        local = torch.cumsum(exists.long(), 0) - 1
+        parents = torch.where(tree.parents[kept] >= 0, local[tree.parents[kept].clamp(min=0)], -1)
+        tokens = torch.cat([update.new_tokens[-1:].cpu().long(), tokens[kept[1:]]])
+        has_children = torch.zeros(n, dtype=torch.bool)
+        has_children[tree.parents[kept[1:]]] = True
+        q_nodes = has_children.nonzero().squeeze(1)
+        return CandidateTree(
+            seq_id=update.seq_id,
+            round=update.round,
+            tokens=tokens,
+            parents=parents,
+            q_nodes=local[q_nodes],
+            q_token_ids=ids[tree.depth[q_nodes]].contiguous(),
+            q_probs=torch.where(ids[tree.depth[q_nodes]] >= 0, rows[tree.depth[q_nodes]], 0.0)
+            .float()
+            .contiguous(),
+            sampling=mode,
+        )
+
+
+def head_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
+    """[B, K, V] logits -> each head's q under its sequence's SamplingParams (greedy: plain softmax)."""
+    batch, num_heads, _ = logits.shape
+
+    def per_row(values: list) -> torch.Tensor:  # [B * K]
+        return torch.tensor(values, device=logits.device).repeat_interleave(num_heads)
+
+    q = process_logits(
+        logits.flatten(0, 1),
+        per_row([1.0 if s.greedy else s.temperature for s in params]),
+        per_row([0 if s.greedy else s.top_k for s in params]),
+        per_row([1.0 if s.greedy else s.top_p for s in params]),
+        per_row([0.0 if s.greedy else s.min_p for s in params]),
+    )
+    return q.view(batch, num_heads, -1)
