@@ -52,10 +52,43 @@ def _llama3(params: dict[str, Any], dim: int) -> tuple[torch.Tensor, float]:
     return torch.where(is_medium, blended, scaled), scale
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(params: dict[str, Any], dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as HF computes it: a linear ramp between extrapolated
+    (original) and interpolated (/ factor) frequencies over the dims whose wavelength falls
+    between `beta_fast` and `beta_slow` rotations of the original context; cos/sin scaled by
+    `attention_factor` (default mscale(factor, mscale) / mscale(factor, mscale_all_dim))."""
+    inv_extra, _ = _default(params, dim)
+    factor, old_len, base = params["factor"], params["original_max_position_embeddings"], params["rope_theta"]
+    scale = params.get("attention_factor")
+    if scale is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            scale = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            scale = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(params.get("beta_fast") or 32), correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1 = keep the original frequency
+    return inv_extra / factor * (1 - extrapolate) + inv_extra * extrapolate, float(scale)
+
+
 INV_FREQ: dict[str, Callable[[dict[str, Any], int], tuple[torch.Tensor, float]]] = {
     "default": _default,
     "linear": _linear,
     "llama3": _llama3,
+    "yarn": _yarn,
 }
 
 

@@ -1,6 +1,6 @@
 """Model architectures. Importing this package registers every architecture file."""
 
-from target_worker.models import llama  # noqa: F401  (registers the Llama family)
+from target_worker.models import deepseek_v3, llama  # noqa: F401  (register the DeepSeek-V3 and Llama families)
 from target_worker.models.registry import (
     CausalLM,
     UnsupportedArchitectureError,
