@@ -187,6 +187,8 @@ _BUILTIN_MODULES = (
     "draft_worker.suffix_tree",
     "draft_worker.draft_model",
     "draft_worker.medusa",
+    "draft_worker.eagle3",
+    "draft_worker.peagle",
 )
 
 
