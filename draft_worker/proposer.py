@@ -189,6 +189,7 @@ _BUILTIN_MODULES = (
     "draft_worker.medusa",
     "draft_worker.eagle3",
     "draft_worker.peagle",
+    "draft_worker.mtp",
 )
 
 

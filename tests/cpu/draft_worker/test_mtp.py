@@ -1,0 +1,141 @@
+"""`mtp`: the checkpoint's own MTP module drafts (DeepSeek-V3 and a Llama-block demo head).
+
+transformers does not model the MTP layer, so the module is checked against a reference
+written from its definition (enorm / hnorm / eh_proj, then transformers' own decoder layer
+loaded with the MTP weights, then the shared head); drafting through the engine is checked
+to be lossless (greedy with `mtp` == plain greedy).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from draft_worker import build_proposer
+from proto import FeatureSpec, SamplingParams, SequenceUpdate, TreeBudget
+from target_worker.batch import SequenceChunk, build_forward_batch
+from target_worker.draft_source import InProcessDraftSource
+from target_worker.engine import Engine
+from target_worker.kv_cache import KVCache
+from target_worker.layers.attention import plan_attention
+from target_worker.runner import ModelRunner
+from target_worker.sequence import RequestParams
+from tests.cpu.target_worker.deepseek_testlib import save_random_deepseek
+
+VOCAB, LAYERS = 97, 3
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def reference_block(cfg, tensors: dict[str, torch.Tensor], layer: int):
+    """transformers' DeepseekV3DecoderLayer holding the MTP layer's block weights."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    cfg._attn_implementation = "eager"
+    block = ds.DeepseekV3DecoderLayer(cfg, layer).eval()
+    prefix = f"model.layers.{layer}."
+    state = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+    experts = range(cfg.n_routed_experts)
+    state["mlp.experts.gate_up_proj"] = torch.stack(
+        [
+            torch.cat(
+                [state.pop(f"mlp.experts.{e}.gate_proj.weight"), state.pop(f"mlp.experts.{e}.up_proj.weight")]
+            )
+            for e in experts
+        ]
+    )
+    state["mlp.experts.down_proj"] = torch.stack(
+        [state.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts]
+    )
+    mtp = {
+        k: state.pop(k)
+        for k in list(state)
+        if k.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+    }
+    block.load_state_dict(state)
+    return block, mtp, ds.DeepseekV3RotaryEmbedding(cfg)
+
+
+def reference_mtp(reference, tokens: list[int], hidden: torch.Tensor):
+    """Rows p = (t_p, hidden[p]) at positions 0..n-1, causal: (logits [n, V], y [n, H])."""
+    block, w, rotary = reference
+    ids = torch.tensor(tokens)
+    x = torch.cat([rms(w["embed_tokens.weight"][ids], w["enorm.weight"]), rms(hidden, w["hnorm.weight"])], -1)
+    x = (x @ w["eh_proj.weight"].T)[None]
+    n = len(tokens)
+    positions = torch.arange(n)[None]
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        x = block(x, attention_mask=mask, position_ids=positions, position_embeddings=rotary(x, positions))[0]
+    y = rms(x, w["shared_head.norm.weight"])
+    return y @ w["shared_head.head.weight"].T, y
+
+
+def target_hidden(model, tokens: list[int]) -> torch.Tensor:
+    """The target's final hidden state after its final norm, [n, H]."""
+    with torch.no_grad():
+        return model.model(torch.tensor([tokens])).last_hidden_state[0]
+
+
+def test_drafts_match_the_reference_module(tmp_path):
+    path = tmp_path / "ds"
+    model = save_random_deepseek(path, with_mtp=True)
+    proposer = build_proposer(
+        {"method": "mtp", "model": str(path), "num_speculative_tokens": 3}, vocab_size=VOCAB
+    )
+    assert proposer.feature_spec == FeatureSpec(layer_ids=(LAYERS,), hidden_size=64, dtype="float32")
+    tokens = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(0)).tolist()
+    h = target_hidden(model, tokens)
+    features = torch.cat([torch.zeros(1, 64), h[:-1]])  # row j: the state before token j
+    budget = TreeBudget(max_nodes=4, max_depth=3, top_k=1)
+    update = SequenceUpdate(7, 1, torch.tensor(tokens), SamplingParams(), budget, features=features)
+    tree = proposer.propose([update])[0]
+    reference = reference_block(model.config, load_file(path / "model.safetensors"), LAYERS)
+    # Logits of every prefilled row match the reference, not just the argmax.
+    logits, _ = reference_mtp(reference, tokens, features)
+    first = logits
+    cache = KVCache(proposer.cache.spec, 16)
+    batch = build_forward_batch([SequenceChunk(0, 0, torch.tensor(tokens), all_logits=True)])
+    ours, _ = proposer.module.forward(batch, features, plan_attention(batch), cache.layers[0])
+    assert (ours - logits).abs().max() <= 1e-4
+    # Reference chain: the module reused with its own output y standing in for the target state.
+    drafts, rows, inputs = [], list(tokens), features
+    for _ in range(3):
+        logits, y = reference_mtp(reference, rows, inputs)
+        drafts.append(int(logits[-1].argmax()))
+        rows, inputs = rows + drafts[-1:], torch.cat([inputs, y[-1:]])
+    assert tree.tokens.tolist() == [tokens[-1], *drafts]
+    assert tree.parents.tolist() == [-1, 0, 1, 2]
+    # The q of draft 1 is the reference softmax's top probability.
+    assert abs(float(tree.q_probs[0, 0]) - float(F.softmax(first[-1], -1).max())) < 1e-4
+    # Next round, the committed rows are extended with the target's real features.
+    more = torch.randint(0, VOCAB, (2,), generator=torch.Generator().manual_seed(1)).tolist()
+    h = target_hidden(model, tokens + more)
+    update = SequenceUpdate(
+        7, 2, torch.tensor(more), SamplingParams(), budget, features=h[len(tokens) - 1 : -1]
+    )
+    tree = proposer.propose([update])[0]
+    logits, _ = reference_mtp(reference, tokens + more, torch.cat([torch.zeros(1, 64), h[:-1]]))
+    assert int(tree.tokens[1]) == int(logits[-1].argmax())
+
+
+def test_greedy_with_mtp_equals_plain_deepseek(tmp_path):
+    path = tmp_path / "ds"
+    save_random_deepseek(path, with_mtp=True)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 11, 8)]
+    params = RequestParams(max_tokens=20, ignore_eos=True)
+
+    def engine(spec):
+        runner = ModelRunner.from_pretrained(path, max_model_len=64, kv_cache_rows=512)
+        source = InProcessDraftSource(build_proposer(spec, vocab_size=VOCAB)) if spec else None
+        return Engine(runner, source, eos_token_id=None, max_batch=4)
+
+    plain = [c.token_ids for c in engine(None).generate(prompts, params)]
+    spec_engine = engine({"method": "mtp", "model": str(path), "num_speculative_tokens": 3})
+    assert [c.token_ids for c in spec_engine.generate(prompts, params)] == plain
+    stats = spec_engine.stats
+    assert stats.num_invalid_trees == 0 and stats.spec.num_drafts > 0
