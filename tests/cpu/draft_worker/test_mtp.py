@@ -139,3 +139,71 @@ def test_greedy_with_mtp_equals_plain_deepseek(tmp_path):
     assert [c.token_ids for c in spec_engine.generate(prompts, params)] == plain
     stats = spec_engine.stats
     assert stats.num_invalid_trees == 0 and stats.spec.num_drafts > 0
+
+
+def head_state(folder, layer: int) -> dict[str, torch.Tensor]:
+    """A saved MTP folder's tensors under `MTPHead`'s own parameter names."""
+    rename = {
+        "enorm.weight": "enorm",
+        "hnorm.weight": "hnorm",
+        "shared_head.norm.weight": "head_norm",
+        "shared_head.head.weight": "head",
+        "embed_tokens.weight": "embed",
+        "eh_proj.weight": "eh_proj.weight",
+    }
+    prefix = f"model.layers.{layer}."
+    state = {}
+    for name, t in load_file(folder / "model.safetensors").items():
+        short = name.removeprefix(prefix)
+        state[rename.get(short, "block." + short)] = t
+    return state
+
+
+def test_trained_demo_style_head_on_a_llama_target(tmp_path):
+    """The trainer's head for a frozen Llama target: loss falls, the saved folder (MTP names
+    only, no target weights) loads into `mtp` with the same logits, and drafting is lossless."""
+    from draft_worker.training import TrainArgs
+    from draft_worker.training.data import DistillData
+    from draft_worker.training.mtp import MTPHead, mtp_inputs, train_mtp
+    from tests.cpu.target_worker.target_runner_testlib import save_random_checkpoint
+
+    target, out = tmp_path / "llama", tmp_path / "mtp"
+    model = save_random_checkpoint(target, "llama")
+    config = model.config.to_dict()
+    tokens = torch.randint(0, VOCAB, (16, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = model.model(tokens).last_hidden_state
+    data = DistillData(tokens, {4: hidden}, model.lm_head.weight.detach(), 0, 4, config)
+    args = TrainArgs("mtp", str(target), str(out), steps=40, batch_size=4, lr=3e-3, progress=False)
+    metrics = train_mtp(args, data)
+    assert metrics["final_loss"] < metrics["first_loss"] - 0.3, metrics
+    assert not any(
+        k.startswith("model.embed") or k == "lm_head.weight" for k in load_file(out / "model.safetensors")
+    )
+
+    proposer = build_proposer(
+        {"method": "mtp", "model": str(out), "num_speculative_tokens": 2}, vocab_size=VOCAB
+    )
+    head = MTPHead(config, model.model.embed_tokens.weight, model.lm_head.weight)
+    head.load_state_dict(head_state(out, 4))
+    with torch.no_grad():
+        expected = head(tokens[:1], mtp_inputs(tokens[:1], hidden[:1]))[0]
+    cache = KVCache(proposer.cache.spec, 32)
+    batch = build_forward_batch([SequenceChunk(0, 0, tokens[0], all_logits=True)])
+    ours, _ = proposer.module.forward(
+        batch, mtp_inputs(tokens[:1], hidden[:1])[0], plan_attention(batch), cache.layers[0]
+    )
+    assert (ours - expected).abs().max() <= 1e-4
+
+    prompts = [tokens[i, :n].tolist() for i, n in ((1, 6), (2, 12))]
+    params = RequestParams(max_tokens=16, ignore_eos=True)
+
+    def engine(spec):
+        runner = ModelRunner.from_pretrained(target, max_model_len=64, kv_cache_rows=256)
+        source = InProcessDraftSource(build_proposer(spec, vocab_size=VOCAB)) if spec else None
+        return Engine(runner, source, eos_token_id=None, max_batch=4)
+
+    plain = [c.token_ids for c in engine(None).generate(prompts, params)]
+    spec_engine = engine({"method": "mtp", "model": str(out), "num_speculative_tokens": 2})
+    assert [c.token_ids for c in spec_engine.generate(prompts, params)] == plain
+    assert spec_engine.stats.spec.num_drafts > 0
