@@ -377,75 +377,112 @@ class MedusaProposer(Proposer[MedusaState]):
         logits = self.heads(hidden)  # [B', K, V_out]
         width = max(trees[b].width for b in drafting)
         params = [updates[b].sampling for b in drafting]
-        q = head_probs(logits, params)  # [B', K, V_out]
-        weights, ids = q.topk(width, dim=-1)  # [B', K, width]
+        weights, ids = head_probs(logits, params).topk(width, dim=-1)  # [B', K, width] each
         if self.heads.token_map is not None:
             ids = self.heads.token_map[ids]
         weights, ids = weights.cpu(), ids.cpu()
+        groups: dict[tuple[int, DraftSampling], list[int]] = {}  # same tree and mode: built together
         for i, b in enumerate(drafting):
             mode = DraftSampling.DETERMINISTIC if params[i].greedy else self.config.sampled_mode
-            out[b] = self._tree(updates[b], states[b], trees[b], weights[i], ids[i], mode)
+            groups.setdefault((id(trees[b]), mode), []).append(i)
+        for (_, mode), rows in groups.items():
+            members = [drafting[i] for i in rows]
+            built = grow_trees(
+                trees[members[0]],
+                mode,
+                [updates[b] for b in members],
+                [states[b].generator for b in members],
+                weights[rows],
+                ids[rows],
+            )
+            for b, tree in zip(members, built, strict=True):
+                out[b] = tree
         return out
 
-    def _tree(
-        self,
-        update: SequenceUpdate,
-        state: MedusaState,
-        tree: StaticTree,
-        weights: torch.Tensor,  # [K, width] float32; each head's top q, sorted
-        ids: torch.Tensor,  # [K, width] int64
-        mode: DraftSampling,
-    ) -> CandidateTree:
-        width, n = tree.width, tree.num_nodes
-        weights, ids = weights[:, :width], torch.where(weights[:, :width] > 0, ids[:, :width], -1)
-        head = (tree.depth - 1).clamp(min=0)  # [N]; the head each node's token comes from
-        if mode == DraftSampling.DETERMINISTIC:
-            rows = weights  # top-k children: the sent row is the head's q itself
-            pick = tree.rank  # [N]
-            tokens = ids[head, pick]
-        else:
-            rows = weights / weights.sum(-1, keepdim=True)  # the q the children are drawn from
-            e = tree.expanded.shape[0]
-            uniforms = torch.rand(e, width, generator=state.generator).clamp_(
-                min=torch.finfo(torch.float32).tiny
+
+def grow_trees(
+    tree: StaticTree,
+    mode: DraftSampling,
+    updates: Sequence[SequenceUpdate],
+    generators: Sequence[torch.Generator | None],
+    weights: torch.Tensor,  # [G, K, >= width] float32; each head's top q, sorted
+    ids: torch.Tensor,  # [G, K, >= width] int64
+) -> list[CandidateTree]:
+    """The static tree filled in for G sequences at once (one sampling mode)."""
+    width, num_nodes = tree.width, tree.num_nodes
+    weights = weights[:, :, :width]
+    ids = torch.where(weights > 0, ids[:, :, :width], -1)  # tokens q does not have: padding
+    head = (tree.depth - 1).clamp(min=0)  # [N]; the head each node's token comes from
+    below = tree.depth[tree.expanded]  # [E]; an expanded node's children come from head `depth`
+    if mode == DraftSampling.DETERMINISTIC:
+        rows = weights  # top-k children: the q row sent is the head's q itself
+        pick = tree.rank  # [N]; node (..., r) takes rank r
+        tokens = ids[:, head, pick]  # [G, N]
+    else:
+        rows = weights / weights.sum(-1, keepdim=True)  # the q the children are drawn from
+        draws = _draw(mode, ids[:, below], rows[:, below], _uniforms(generators, below.shape[0], width))
+        slot = torch.zeros(num_nodes, dtype=torch.int64)
+        slot[tree.expanded] = torch.arange(below.shape[0])
+        pick = tree.sibling  # [N]; the i-th sibling (in rank order) takes the i-th draw
+        tokens = draws[:, slot[tree.parents.clamp(min=0)], pick.clamp(max=width - 1)]  # [G, N]
+    tokens[:, 0] = torch.stack([u.new_tokens[-1] for u in updates]).long()
+    # A node exists while its head's q has a pick-th token and so does every ancestor's.
+    exists = (pick < (weights > 0).sum(-1)[:, head]) | (tree.depth == 0)  # [G, N]
+    for _ in range(int(tree.depth.max())):
+        exists &= exists[:, tree.parents.clamp(min=0)]
+    q_ids = ids[:, below]  # [G, E, width]
+    q_probs = torch.where(q_ids >= 0, rows[:, below], 0.0).float()
+    out = []
+    for g, update in enumerate(updates):
+        parents, q_nodes, q_g, ids_g, probs_g = tree.parents, tree.expanded, slice(None), q_ids[g], q_probs[g]
+        kept = exists[g]
+        nodes = tokens[g]
+        if not bool(kept.all()):  # some q rows were too short: drop those nodes and their subtrees
+            local = kept.cumsum(0) - 1
+            nodes = nodes[kept]
+            parents = torch.where(tree.parents[kept] >= 0, local[tree.parents[kept].clamp(min=0)], -1)
+            has_children = torch.zeros(num_nodes, dtype=torch.bool)
+            has_children[tree.parents[kept][1:]] = True
+            q_g = has_children[tree.expanded]
+            q_nodes = local[tree.expanded[q_g]]
+            ids_g, probs_g = ids_g[q_g], probs_g[q_g]
+        out.append(
+            CandidateTree(
+                seq_id=update.seq_id,
+                round=update.round,
+                tokens=nodes.clone(),
+                parents=parents.clone(),
+                q_nodes=q_nodes.clone(),
+                q_token_ids=ids_g.contiguous(),
+                q_probs=probs_g.contiguous(),
+                sampling=mode,
             )
-            parent_head = tree.depth[tree.expanded]  # [E]; children of an expanded node come from its depth
-            row = rows[parent_head]  # [E, width]
-            if mode == DraftSampling.WITHOUT_REPLACEMENT:  # Gumbel-top-k: draws in order
-                keys = row.log() - (-uniforms.log()).log()
-                draws = ids[parent_head].gather(1, keys.argsort(1, descending=True))
-            else:  # i.i.d. inverse-CDF draws
-                cdf = row.cumsum(-1)
-                picks = (cdf[:, None, :] <= uniforms[:, :, None] * cdf[:, -1:, None]).sum(-1)
-                picks = torch.minimum(picks, (row > 0).sum(-1, keepdim=True) - 1)
-                draws = ids[parent_head].gather(1, picks)
-            slot = torch.full((n,), -1, dtype=torch.int64)
-            slot[tree.expanded] = torch.arange(e)
-            pick = tree.sibling
-            tokens = draws[slot[tree.parents.clamp(min=0)], pick.clamp(max=width - 1)]
-        # A node exists while its head has a pick-th token and so does every ancestor.
-        exists = (pick < (weights > 0).sum(-1)[head]) | (tree.depth == 0)
-        for _ in range(int(tree.depth.max())):
-            exists &= exists[tree.parents.clamp(min=0)]
-        kept = exists.nonzero().squeeze(1)  # [M]; parents precede children, so order is kept
-        local = torch.cumsum(exists.long(), 0) - 1
-        parents = torch.where(tree.parents[kept] >= 0, local[tree.parents[kept].clamp(min=0)], -1)
-        tokens = torch.cat([update.new_tokens[-1:].cpu().long(), tokens[kept[1:]]])
-        has_children = torch.zeros(n, dtype=torch.bool)
-        has_children[tree.parents[kept[1:]]] = True
-        q_nodes = has_children.nonzero().squeeze(1)
-        return CandidateTree(
-            seq_id=update.seq_id,
-            round=update.round,
-            tokens=tokens,
-            parents=parents,
-            q_nodes=local[q_nodes],
-            q_token_ids=ids[tree.depth[q_nodes]].contiguous(),
-            q_probs=torch.where(ids[tree.depth[q_nodes]] >= 0, rows[tree.depth[q_nodes]], 0.0)
-            .float()
-            .contiguous(),
-            sampling=mode,
         )
+    return out
+
+
+def _uniforms(generators: Sequence[torch.Generator | None], rows: int, width: int) -> torch.Tensor:
+    """[G, rows, width] uniforms in (0, 1): seeded sequences from their own generator (the same
+    draws whatever they are batched with), the rest from torch's global RNG in one call."""
+    out = torch.empty(len(generators), rows, width)
+    unseeded = [g for g, gen in enumerate(generators) if gen is None]
+    if unseeded:
+        out[unseeded] = torch.rand(len(unseeded), rows, width)
+    for g, gen in enumerate(generators):
+        if gen is not None:
+            out[g] = torch.rand(rows, width, generator=gen)
+    return out.clamp_(min=torch.finfo(torch.float32).tiny)  # Gumbel needs log(u) finite
+
+
+def _draw(mode: DraftSampling, ids: torch.Tensor, rows: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[G, E, width] ids in draw order from q rows [G, E, width]: without replacement by
+    Gumbel-top-k (sorting log q + Gumbel noise), with replacement by inverse CDF."""
+    if mode == DraftSampling.WITHOUT_REPLACEMENT:
+        keys = rows.log() - (-uniforms.log()).log()
+        return ids.gather(-1, keys.argsort(-1, descending=True))
+    cdf = rows.cumsum(-1)
+    picks = (cdf[..., None, :] <= uniforms[..., None] * cdf[..., -1:, None]).sum(-1)
+    return ids.gather(-1, torch.minimum(picks, (rows > 0).sum(-1, keepdim=True) - 1))
 
 
 def head_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
