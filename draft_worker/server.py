@@ -50,6 +50,8 @@ from proto import (
     TreeBudget,
     check_handshake,
     check_request,
+    projection_chunks,
+    projection_sha256,
 )
 from proto import outrider_pb2 as pb
 from proto import outrider_pb2_grpc as pb_grpc
@@ -340,6 +342,11 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     def __init__(self, batcher: DraftBatcher):
         self.batcher = batcher
+        spec = batcher.proposer.feature_spec
+        self._projection = batcher.proposer.feature_projection() if spec.projected else None
+        if spec.projected and self._projection is None:
+            raise ValueError(f"{batcher.proposer.method}: projected features but no feature_projection()")
+        self._projection_sha256 = projection_sha256(self._projection) if self._projection is not None else ""
 
     def add_to_server(self, server: grpc.Server) -> None:
         pb_grpc.add_DraftServiceServicer_to_server(self, server)
@@ -354,6 +361,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             limits=self.batcher.limits,
             features=proposer.feature_spec,
             target_model_id=identity.target_model_id,
+            projection_sha256=self._projection_sha256,
         )
 
     def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeResponse:
@@ -364,6 +372,13 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             log.warning("refused target %r: %s", request.target_model_id, error)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         return response.to_proto()
+
+    def FeatureProjection(
+        self, request: pb.FeatureProjectionRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.Tensor]:
+        if self._projection is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this drafter publishes no feature projection")
+        yield from projection_chunks(self._projection, request.max_chunk_bytes)
 
     def Draft(
         self, request_iterator: Iterator[pb.DraftRequest], context: grpc.ServicerContext

@@ -23,7 +23,14 @@ from proto.handshake import (
 )
 from proto.messages import DraftRequest, SamplingParams, SequenceUpdate, TreeBudget
 from proto.request_validation import check_request, validate_update
-from proto.tensor import FEATURE_DTYPES, decode_tensor, encode_tensor
+from proto.tensor import (
+    FEATURE_DTYPES,
+    decode_tensor,
+    encode_tensor,
+    join_projection,
+    projection_chunks,
+    projection_sha256,
+)
 from proto.tree import CandidateTree, DraftResponse, DraftSampling
 from proto.validation import PROB_TOLERANCE, check_trees, receive_trees, validate_tree
 
@@ -49,6 +56,9 @@ __all__ = [
     "check_trees",
     "decode_tensor",
     "encode_tensor",
+    "join_projection",
+    "projection_chunks",
+    "projection_sha256",
     "receive_trees",
     "validate_tree",
     "validate_update",

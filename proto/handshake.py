@@ -159,6 +159,7 @@ class HandshakeResponse:
     features: FeatureSpec = FeatureSpec()
     target_model_id: str = ""  # the target this drafter was trained for; "" = any
     protocol_version: int = PROTOCOL_VERSION
+    projection_sha256: str = ""  # set iff features.projected: the fc the target must apply
 
     def to_proto(self) -> pb.HandshakeResponse:
         return pb.HandshakeResponse(
@@ -170,6 +171,7 @@ class HandshakeResponse:
             method=self.method,
             features=self.features.to_proto(),
             limits=self.limits.to_proto(),
+            projection_sha256=self.projection_sha256,
         )
 
     @classmethod
@@ -183,6 +185,7 @@ class HandshakeResponse:
             features=FeatureSpec.from_proto(message.features),
             target_model_id=message.target_model_id,
             protocol_version=message.protocol_version,
+            projection_sha256=message.projection_sha256,
         )
 
 
@@ -211,6 +214,8 @@ def check_handshake(request: HandshakeRequest, response: HandshakeResponse) -> L
             f"method: the target expects {request.method!r}, the drafter runs {response.method!r}"
         )
     mismatches.extend(_feature_mismatches(request, response.features))
+    if response.features.projected and not response.projection_sha256:
+        mismatches.append("features.projected: the drafter asks for projected features but publishes no projection")
     limits = request.limits.intersect(response.limits)
     for name, least in (("max_batch", 1), ("max_nodes", 2), ("max_depth", 1), ("max_top_k", 1)):
         agreed, target, draft = (getattr(side, name) for side in (limits, request.limits, response.limits))
@@ -228,11 +233,12 @@ def _feature_mismatches(request: HandshakeRequest, features: FeatureSpec) -> lis
     if not features.needs_features:
         return []
     mismatches = []
-    missing = [layer for layer in features.layer_ids if layer >= request.target_num_layers]
+    # Layer L (= target_num_layers) is the final hidden state after the last norm.
+    missing = [layer for layer in features.layer_ids if layer > request.target_num_layers]
     if missing:
         mismatches.append(
             f"features.layer_ids: layers {missing} do not exist in the target's "
-            f"{request.target_num_layers} layers"
+            f"{request.target_num_layers} layers (layer {request.target_num_layers} = the final hidden state)"
         )
     if len(set(features.layer_ids)) != len(features.layer_ids):
         mismatches.append(f"features.layer_ids: {list(features.layer_ids)} names a layer twice")

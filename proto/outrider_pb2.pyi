@@ -70,7 +70,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., target_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., method: _Optional[str] = ..., target_num_layers: _Optional[int] = ..., target_hidden_size: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "draft_model_id", "target_model_id", "vocab_size", "vocab_fingerprint", "method", "features", "limits")
+    __slots__ = ("protocol_version", "draft_model_id", "target_model_id", "vocab_size", "vocab_fingerprint", "method", "features", "limits", "projection_sha256")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class HandshakeResponse(_message.Message):
     METHOD_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    PROJECTION_SHA256_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     draft_model_id: str
     target_model_id: str
@@ -87,7 +88,14 @@ class HandshakeResponse(_message.Message):
     method: str
     features: FeatureSpec
     limits: Limits
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., draft_model_id: _Optional[str] = ..., target_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., method: _Optional[str] = ..., features: _Optional[_Union[FeatureSpec, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+    projection_sha256: str
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., draft_model_id: _Optional[str] = ..., target_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., method: _Optional[str] = ..., features: _Optional[_Union[FeatureSpec, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., projection_sha256: _Optional[str] = ...) -> None: ...
+
+class FeatureProjectionRequest(_message.Message):
+    __slots__ = ("max_chunk_bytes",)
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_chunk_bytes: int
+    def __init__(self, max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")

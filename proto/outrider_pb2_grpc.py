@@ -44,6 +44,11 @@ class DraftServiceStub:
                 request_serializer=proto_dot_outrider__pb2.DraftRequest.SerializeToString,
                 response_deserializer=proto_dot_outrider__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.FeatureProjection = channel.unary_stream(
+                '/outrider.v1.DraftService/FeatureProjection',
+                request_serializer=proto_dot_outrider__pb2.FeatureProjectionRequest.SerializeToString,
+                response_deserializer=proto_dot_outrider__pb2.Tensor.FromString,
+                _registered_method=True)
 
 
 class DraftServiceServicer:
@@ -63,6 +68,16 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FeatureProjection(self, request, context):
+        """The drafter's feature projection (EAGLE-3's fc), for a FeatureSpec with `projected`: the
+        target applies it and sends H values per token instead of len(layer_ids) x H. Streamed as
+        row blocks of one [H, len(layer_ids) x H] float32 matrix, concatenated along dim 0, whose
+        sha256 (of the float32 bytes, row-major) is HandshakeResponse.projection_sha256.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +90,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=proto_dot_outrider__pb2.DraftRequest.FromString,
                     response_serializer=proto_dot_outrider__pb2.DraftResponse.SerializeToString,
+            ),
+            'FeatureProjection': grpc.unary_stream_rpc_method_handler(
+                    servicer.FeatureProjection,
+                    request_deserializer=proto_dot_outrider__pb2.FeatureProjectionRequest.FromString,
+                    response_serializer=proto_dot_outrider__pb2.Tensor.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +151,33 @@ class DraftService:
             '/outrider.v1.DraftService/Draft',
             proto_dot_outrider__pb2.DraftRequest.SerializeToString,
             proto_dot_outrider__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FeatureProjection(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/outrider.v1.DraftService/FeatureProjection',
+            proto_dot_outrider__pb2.FeatureProjectionRequest.SerializeToString,
+            proto_dot_outrider__pb2.Tensor.FromString,
             options,
             channel_credentials,
             insecure,

@@ -84,3 +84,42 @@ def repeated_to_tensor(values: Sequence[int] | Sequence[float], dtype: torch.dty
     """
     numpy_dtype = torch.empty((), dtype=dtype).numpy().dtype
     return torch.from_numpy(np.array(values, dtype=numpy_dtype))
+
+
+# ---- the drafter's feature projection (FeatureProjection RPC) -------------------------------
+
+DEFAULT_PROJECTION_CHUNK_BYTES = 1 << 20
+
+
+def projection_sha256(projection: torch.Tensor) -> str:
+    """The handshake's fingerprint of a projection: sha256 of its float32 bytes, row-major."""
+    import hashlib
+
+    data = projection.detach().to("cpu", torch.float32).contiguous().view(torch.uint8).numpy()
+    return hashlib.sha256(data.tobytes()).hexdigest()
+
+
+def projection_chunks(projection: torch.Tensor, max_chunk_bytes: int = 0) -> list[pb.Tensor]:
+    """Row blocks of the float32 [H, W] projection, each at most `max_chunk_bytes` (0 = 1 MiB)."""
+    matrix = projection.detach().to("cpu", torch.float32)
+    if matrix.dim() != 2 or matrix.shape[0] == 0:
+        raise ValueError(f"a feature projection is a non-empty [H, W] matrix, not {tuple(matrix.shape)}")
+    row_bytes = matrix.shape[1] * 4
+    rows = max(1, (max_chunk_bytes or DEFAULT_PROJECTION_CHUNK_BYTES) // max(row_bytes, 1))
+    return [encode_tensor(matrix[start : start + rows]) for start in range(0, matrix.shape[0], rows)]
+
+
+def join_projection(chunks: Sequence[pb.Tensor], sha256: str) -> torch.Tensor:
+    """The projection from its streamed blocks; InvalidDraftError if they do not match `sha256`."""
+    blocks = [decode_tensor(chunk, f"projection[{i}]") for i, chunk in enumerate(chunks)]
+    if not blocks or any(b.dim() != 2 or b.dtype != torch.float32 for b in blocks):
+        raise InvalidDraftError("a feature projection arrives as float32 [rows, W] blocks")
+    if len({b.shape[1] for b in blocks}) != 1:
+        raise InvalidDraftError("feature projection blocks disagree on their width")
+    projection = torch.cat(blocks)
+    got = projection_sha256(projection)
+    if got != sha256:
+        raise InvalidDraftError(
+            f"feature projection sha256 {got[:16]}… is not the handshake's {sha256[:16]}…"
+        )
+    return projection

@@ -43,16 +43,18 @@ from proto import (
     HandshakeMismatchError,
     HandshakeRequest,
     HandshakeResponse,
+    InvalidDraftError,
     Limits,
     SequenceUpdate,
     TreeBudget,
     check_handshake,
+    join_projection,
     receive_trees,
     vocab_fingerprint,
 )
 from proto import outrider_pb2 as pb
 from proto import outrider_pb2_grpc as pb_grpc
-from target_worker.draft_source import DraftSource
+from target_worker.draft_source import DraftSource, projected_update
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,7 @@ class _Endpoint:
     limits: Limits | None = None
     last_error: Exception | None = None
     refused: bool = False  # the last handshake was a mismatch
+    removed: bool = False  # dropped by set_endpoints: its thread ends
     outbox: queue.SimpleQueue | None = None  # the live stream's requests; None ends it
     call: grpc.Future | None = None
     thread: threading.Thread | None = field(default=None, repr=False)
@@ -154,24 +157,22 @@ class RemoteDraftSource(DraftSource):
         self.counters = DraftClientCounters()
         self._features = self.config.features
         self._features_agreed = False  # set by the first accepted handshake
+        self._projection: torch.Tensor | None = None  # the drafters' fc, for a projected spec
+        self._projection_sha256 = ""
         self._cond = threading.Condition()
         self._closed = threading.Event()
         self._seqs: dict[int, _Sequence] = {}
         self._awaiting: dict[int, _Awaited] = {}
         self._ready: dict[int, CandidateTree] = {}
-        self.endpoints = [_Endpoint(address) for address in addresses]
-        for endpoint in self.endpoints:
-            endpoint.thread = threading.Thread(
-                target=self._connection_loop,
-                args=(endpoint,),
-                name=f"draft-client-{endpoint.address}",
-                daemon=True,
-            )
-            endpoint.thread.start()
+        self.endpoints: list[_Endpoint] = []
+        self.set_endpoints(addresses)
 
     @property
     def feature_spec(self) -> FeatureSpec:
         return self._features
+
+    def feature_projection(self) -> torch.Tensor | None:
+        return self._projection
 
     def wait_ready(self, timeout_s: float) -> bool:
         """True once some worker is connected; HandshakeMismatchError if every worker refused."""
@@ -222,28 +223,62 @@ class RemoteDraftSource(DraftSource):
                     state.misses += 1
         return trees
 
+    def set_endpoints(self, addresses: Sequence[str]) -> None:
+        """Follow the draft pool as it scales: connect to new addresses, leave the ones gone.
+
+        Sequences on a removed worker move to another (a re-sync with their whole context) on
+        their next round, exactly as if that worker had died; the others stay where they are.
+        """
+        wanted = list(dict.fromkeys(addresses))
+        if not wanted:
+            raise ValueError("RemoteDraftSource needs at least one draft worker address")
+        with self._cond:
+            held = {e.address: e for e in self.endpoints}
+            gone = [e for e in self.endpoints if e.address not in wanted]
+            added = [_Endpoint(address) for address in wanted if address not in held]
+            self.endpoints = [
+                held.get(address) or next(e for e in added if e.address == address) for address in wanted
+            ]
+            for endpoint in gone:
+                endpoint.removed = True
+                self._hang_up(endpoint)
+        for endpoint in added:
+            endpoint.thread = threading.Thread(
+                target=self._connection_loop,
+                args=(endpoint,),
+                name=f"draft-client-{endpoint.address}",
+                daemon=True,
+            )
+            endpoint.thread.start()  # a removed endpoint's thread ends on its own within a backoff
+
     def close(self) -> None:
         self._closed.set()
         with self._cond:
             for endpoint in self.endpoints:
-                if endpoint.outbox is not None:
-                    endpoint.outbox.put(None)  # half-close: the worker finishes, then ends the stream
-                if endpoint.call is not None:
-                    endpoint.call.cancel()
-            self._cond.notify_all()
+                self._hang_up(endpoint)
         for endpoint in self.endpoints:
             endpoint.thread.join(timeout=5)
+
+    def _hang_up(self, endpoint: _Endpoint) -> None:
+        """End the endpoint's stream (under the lock): half-close, then cancel."""
+        if endpoint.outbox is not None:
+            endpoint.outbox.put(None)  # half-close: the worker finishes, then ends the stream
+        if endpoint.call is not None:
+            endpoint.call.cancel()
+        endpoint.healthy = False
+        self._cond.notify_all()
 
     def _prepare(self, update: SequenceUpdate) -> tuple[pb.SequenceUpdate | None, _Endpoint | None]:
         """Record the update, route it, and make its wire form (a full re-sync where needed)."""
         seq_id, state = update.seq_id, self._seqs.get(update.seq_id)
         self._ready.pop(seq_id, None)
         self._awaiting.pop(seq_id, None)
-        update = self._wire_features(update)
+        if update.features is not None and not self._features.needs_features:
+            update = replace(update, features=None)
         if update.finished:
             self._seqs.pop(seq_id, None)
             synced = state is not None and state.endpoint is not None and _in_sync(state)
-            return (update.to_proto(), state.endpoint) if synced else (None, None)
+            return (self._wire(update), state.endpoint) if synced else (None, None)
         features = [update.features] if update.features is not None else None
         if state is None or update.reset:
             state = self._seqs[seq_id] = _Sequence([update.new_tokens], features)
@@ -268,7 +303,7 @@ class RemoteDraftSource(DraftSource):
         budget = _fit(update.budget, endpoint.limits)
         root = int(update.new_tokens[-1])
         self._awaiting[seq_id] = _Awaited(update.round, budget, root, endpoint)
-        return replace(update, budget=budget).to_proto(), endpoint
+        return self._wire(replace(update, budget=budget)), endpoint
 
     def _whole(self, update: SequenceUpdate, state: _Sequence) -> SequenceUpdate:
         tokens = torch.cat(state.tokens)
@@ -279,16 +314,19 @@ class RemoteDraftSource(DraftSource):
             state.features = [features]
         return replace(update, new_tokens=tokens, features=features, reset=True)
 
-    def _wire_features(self, update: SequenceUpdate) -> SequenceUpdate:
-        """Features in the agreed dtype (bf16/fp16 halve the bytes of fp32); none if not needed."""
-        if update.features is None:
-            return update
-        if not self._features.needs_features:
-            return replace(update, features=None)
-        dtype = FEATURE_DTYPES[self._features.dtype]
-        return (
-            update if update.features.dtype == dtype else replace(update, features=update.features.to(dtype))
-        )
+    def _wire(self, update: SequenceUpdate) -> pb.SequenceUpdate:
+        """The update's wire form: features projected (when agreed) and in the agreed dtype.
+
+        Sequences keep their raw features, so a re-sync after a reconnect (or to a worker with
+        another projection) is projected afresh; bf16/fp16 halve the bytes of fp32.
+        """
+        if update.features is not None:
+            features = update.features
+            if self._features.projected:
+                features = projected_update(update, self._projection).features
+            features = features.to(FEATURE_DTYPES[self._features.dtype])
+            update = replace(update, features=features)
+        return update.to_proto()
 
     def _route(self, seq_id: int, state: _Sequence) -> _Endpoint | None:
         """Sticky: stay on the current worker while it is up; else the highest rendezvous hash."""
@@ -304,7 +342,7 @@ class RemoteDraftSource(DraftSource):
     def _connection_loop(self, endpoint: _Endpoint) -> None:
         backoff = self.config.backoff_initial_s
         metadata = (("authorization", f"Bearer {self.config.token}"),) if self.config.token else None
-        while not self._closed.is_set():
+        while not (self._closed.is_set() or endpoint.removed):
             channel = self._channel(endpoint.address)
             try:
                 stub = pb_grpc.DraftServiceStub(channel)
@@ -324,7 +362,8 @@ class RemoteDraftSource(DraftSource):
             )
             response = HandshakeResponse.from_proto(reply)
             limits = check_handshake(self.handshake, response)
-            self._agree_features(endpoint, response.features)
+            projection = self._fetch_projection(stub, response, metadata)
+            self._agree_features(endpoint, response, projection)
         except HandshakeMismatchError as error:
             self._refused(endpoint, error)
             return False
@@ -336,7 +375,7 @@ class RemoteDraftSource(DraftSource):
             return False
         outbox: queue.SimpleQueue = queue.SimpleQueue()
         with self._cond:
-            if self._closed.is_set():
+            if self._closed.is_set() or endpoint.removed:
                 return False
             endpoint.call = stub.Draft(_drain(outbox), metadata=metadata)
             if endpoint.generation > 0:
@@ -393,16 +432,42 @@ class RemoteDraftSource(DraftSource):
                 self._seqs[tree.seq_id].misses = 0
             self._cond.notify_all()
 
-    def _agree_features(self, endpoint: _Endpoint, features: FeatureSpec) -> None:
-        """All workers must want the same features: the engine captures one set per round."""
+    def _fetch_projection(
+        self, stub: pb_grpc.DraftServiceStub, response: HandshakeResponse, metadata: tuple | None
+    ) -> torch.Tensor | None:
+        """The worker's fc for a projected spec (fetched once per distinct sha256); else None."""
+        if not response.features.projected:
+            return None
+        if response.projection_sha256 == self._projection_sha256:
+            return self._projection
+        chunk = min(1 << 20, self.config.max_message_bytes // 2)
+        # Real projections are large (Llama-8B: 4096 x 12288 float32 = 200 MB): allow a minute.
+        chunks = stub.FeatureProjection(
+            pb.FeatureProjectionRequest(max_chunk_bytes=chunk),
+            timeout=max(60.0, self.config.connect_timeout_s),
+            metadata=metadata,
+        )
+        try:
+            return join_projection(list(chunks), response.projection_sha256)
+        except InvalidDraftError as error:
+            raise HandshakeMismatchError([f"feature projection: {error}"]) from None
+
+    def _agree_features(
+        self, endpoint: _Endpoint, response: HandshakeResponse, projection: torch.Tensor | None
+    ) -> None:
+        """All workers must want the same features (and fc): the engine captures one set per round."""
+        features, sha256 = response.features, response.projection_sha256
         with self._cond:
-            if self._features_agreed and features != self._features:
+            if self._features_agreed and (features, sha256) != (self._features, self._projection_sha256):
                 raise HandshakeMismatchError(
                     [
-                        f"features: {endpoint.address} wants {features}, the other draft workers {self._features}"
+                        f"features: {endpoint.address} wants {features} (projection {sha256[:12] or 'none'}), "
+                        f"the other draft workers {self._features} "
+                        f"(projection {self._projection_sha256[:12] or 'none'})"
                     ]
                 )
             self._features, self._features_agreed = features, True
+            self._projection, self._projection_sha256 = projection, sha256
 
     def _refused(self, endpoint: _Endpoint, error: HandshakeMismatchError) -> None:
         log.error("draft worker %s refused: %s", endpoint.address, error)

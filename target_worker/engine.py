@@ -74,6 +74,20 @@ class Completion:
     text: str | None
 
 
+def _capture_for(features: FeatureSpec, num_layers: int) -> HiddenCapture | None:
+    """What the runner returns for a drafter's FeatureSpec; layer id `num_layers` = final hidden."""
+    if not features.needs_features:
+        return None
+    beyond = [i for i in features.layer_ids if i > num_layers]
+    if beyond:
+        raise ValueError(
+            f"the drafter wants features of layers {beyond}; the target has {num_layers} "
+            f"(layer {num_layers} = the final hidden state)"
+        )
+    inputs = tuple(i for i in features.layer_ids if i < num_layers)
+    return HiddenCapture(layer_inputs=inputs, final=num_layers in features.layer_ids)
+
+
 class Engine:
     def __init__(
         self,
@@ -96,13 +110,7 @@ class Engine:
         self.detokenize = detokenize
         self.vocab_size = runner.model.vocab_size
         self.features = draft_source.feature_spec if draft_source else FeatureSpec()
-        if self.features.projected:
-            raise NotImplementedError(
-                "projected features (the drafter's fc applied on the target) are not served yet"
-            )
-        self.capture = (
-            HiddenCapture(layer_inputs=self.features.layer_ids) if self.features.needs_features else None
-        )
+        self.capture = _capture_for(self.features, runner.model.num_layers)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.round = 0
@@ -367,8 +375,13 @@ class Engine:
             seq.num_cached += cu[i + 1] - cu[i]
 
     def _features(self, out) -> torch.Tensor:
-        """[T, width] drafter features of every token in the forward, in the agreed dtype."""
-        layers = [out.layer_inputs[layer] for layer in self.features.layer_ids]
+        """[T, len(layer_ids) * H] raw drafter features of every token in the forward.
+
+        Always the raw concatenation: with a `projected` spec the draft source applies the
+        drafter's fc itself (`draft_source.project_features`) before the features leave.
+        """
+        final = self.runner.model.num_layers
+        layers = [out.final_hidden if i == final else out.layer_inputs[i] for i in self.features.layer_ids]
         return torch.cat(layers, dim=-1).to(getattr(torch, self.features.dtype))
 
     def _keep_features(self, seq: Sequence, rows: torch.Tensor) -> None:

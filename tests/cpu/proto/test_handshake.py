@@ -45,6 +45,7 @@ def draft(**changes: object) -> HandshakeResponse:
         limits=Limits(max_batch=32, max_nodes=128, max_depth=6, max_top_k=16),
         features=EAGLE3_FEATURES,
         target_model_id="outrider-demo-small",
+        projection_sha256="5e" * 32,
     )
     return dataclasses.replace(response, **changes)  # type: ignore[arg-type]
 
@@ -118,6 +119,20 @@ def test_rejects_feature_needs_the_target_cannot_meet() -> None:
     assert "names a layer twice" in reasons[1]
     assert "expects 128, the target's hidden size is 64" in reasons[2]
     assert "'float64' is not one of" in reasons[3]
+
+
+def test_layer_num_layers_is_the_final_hidden_state() -> None:
+    final = FeatureSpec(layer_ids=(32,), hidden_size=64, dtype="bfloat16")  # Medusa, MTP
+    check_handshake(target(), draft(features=final, projection_sha256=""))
+    (reason,) = mismatches(target(), draft(features=FeatureSpec(layer_ids=(33,), hidden_size=64)))
+    assert "layers [33] do not exist in the target's 32 layers (layer 32 = the final hidden state)" in reason
+
+
+def test_rejects_projected_features_without_a_published_projection() -> None:
+    (reason,) = mismatches(target(), draft(projection_sha256=""))
+    assert reason == (
+        "features.projected: the drafter asks for projected features but publishes no projection"
+    )
 
 
 def test_rejects_limits_that_leave_nothing_to_draft() -> None:

@@ -168,3 +168,32 @@ def wait_all_healthy(source: RemoteDraftSource) -> None:
     while not all(e.healthy for e in source.endpoints):
         assert time.monotonic() < deadline, [e.last_error for e in source.endpoints]
         time.sleep(0.01)
+
+
+def test_set_endpoints_follows_a_scaling_draft_pool(tiny_family, runner, prompts, plain):
+    """Autoscaling adds and removes draft replicas: the client connects to new ones and moves
+    the sequences of a removed one (whole context re-sent), with output unchanged."""
+    first, second = start_server(tiny_family), start_server(tiny_family)
+    source = client(tiny_family, [f"127.0.0.1:{first.port}"], round_deadline_s=5.0)
+    many = prompts * 4
+    try:
+        wait_all_healthy(source)
+        source.set_endpoints([f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"])  # scale up
+        wait_all_healthy(source)
+        assert generate(runner, many, source, max_tokens=8)[0] == [p[:8] for p in plain * 4]
+        assert first.stats.trees_sent > 0 and second.stats.trees_sent > 0
+        resyncs = source.counters.resyncs
+
+        def scale_down() -> None:
+            source.set_endpoints([f"127.0.0.1:{second.port}"])
+
+        outputs, stats = generate(runner, many, StopAfter(source, 3, scale_down))
+        assert outputs == plain * 4
+        assert [e.address for e in source.endpoints] == [f"127.0.0.1:{second.port}"]
+        assert source.counters.resyncs > resyncs  # the first worker's sequences moved, whole
+        assert source.counters.trees_invalid == stats.num_invalid_trees == 0
+        assert stats.num_trees > stats.num_rounds  # still speculating after the move
+    finally:
+        source.close()
+        first.stop(1)
+        second.stop(1)
