@@ -28,6 +28,11 @@ def _cmd_demo_build(args: argparse.Namespace) -> int:
         f"  draft:  {m['draft']['parameters']:,} parameters, held-out loss {m['draft']['held_out_loss']:.3f}, "
         f"greedy agreement {m['draft']['greedy_agreement_with_target']:.3f}"
     )
+    if not args.no_heads:
+        from cluster.demo.heads import ensure_demo_heads
+
+        for method, folder in ensure_demo_heads(family, progress=not args.quiet).items():
+            print(f"  {method} head: {folder}")
     if args.out:
         print(f"copied to {export_family(family, Path(args.out))}")
     return 0
@@ -87,12 +92,82 @@ def _cmd_check_install(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo_draft_dirs(size: str) -> tuple[Path, Path]:
-    """For `outrider draft-server --demo SIZE`: the demo draft LM and tokenizer folders."""
+def _demo_draft_dirs(size: str, method: str = "draft_model") -> tuple[Path, Path]:
+    """For `outrider draft-server --demo SIZE`: the method's demo drafter and the tokenizer folder.
+
+    draft_model drafts with the family's draft LM; a method with a trainer (eagle3, peagle,
+    ...) with its trained head (built and cached on first use); others need no model.
+    """
     from cluster.demo.family import ensure_demo_family
 
     family = ensure_demo_family(size)
+    if method != "draft_model":
+        from cluster.demo.heads import demo_head_dir, head_methods
+
+        if method in head_methods():
+            return demo_head_dir(family, method), family.tokenizer_dir
     return family.draft_dir, family.tokenizer_dir
+
+
+def _cmd_train_draft(args: argparse.Namespace) -> int:
+    from draft_worker.training import TrainArgs, train_draft
+
+    options = json.loads(args.options)
+    metrics = train_draft(
+        TrainArgs(
+            method=args.method,
+            target_dir=args.target,
+            out_dir=args.out,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            seed=args.seed,
+            resume=args.resume,
+            device=args.device,
+            num_sequences=args.num_sequences,
+            method_options=options,
+            progress=not args.quiet,
+        )
+    )
+    summary = {k: v for k, v in metrics.items() if k != "losses"}
+    print(json.dumps({"out": args.out, **summary}, indent=2, default=str))
+    return 0
+
+
+def _add_train_draft_parser(commands: argparse._SubParsersAction) -> None:
+    train = commands.add_parser(
+        "train-draft",
+        help="train a draft head (eagle3, peagle, medusa, mtp, draft_model) against a target",
+        description="Self-distillation: the target's own continuations of training-corpus prompts, with "
+        "the features its runner captures, train the head; the checkpoint goes to --out in the method's "
+        "published key layout plus config.json. Data is cached under $OUTRIDER_HOME/distill; a progress "
+        "bar shows loss and ETA; --resume continues from the state saved in --out.",
+    )
+    train.add_argument("--method", required=True, help="eagle3, peagle, medusa, mtp or draft_model")
+    train.add_argument(
+        "--target", required=True, metavar="DIR", help="the target checkpoint folder (HF layout)"
+    )
+    train.add_argument("--out", required=True, metavar="DIR", help="where the head checkpoint is written")
+    train.add_argument("--steps", type=int, default=600, help="optimizer steps (default: %(default)s)")
+    train.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: %(default)s)")
+    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
+    train.add_argument("--seed", type=int, default=0, help="data and init seed (default: %(default)s)")
+    train.add_argument(
+        "--num-sequences",
+        type=int,
+        default=256,
+        help="target continuations to train on (default: %(default)s)",
+    )
+    train.add_argument("--resume", action="store_true", help="continue from the training state in --out")
+    train.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    train.add_argument(
+        "--options",
+        default="{}",
+        metavar="JSON",
+        help='the method\'s own knobs as a JSON object, e.g. \'{"ttt_steps": 7, "draft_vocab_size": 32000}\'',
+    )
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(func=_cmd_train_draft)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     build.add_argument("--force", action="store_true", help="rebuild even when a verified copy is cached")
     build.add_argument("--quiet", action="store_true", help="no progress bars")
+    build.add_argument(
+        "--no-heads", action="store_true", help="skip the trained draft heads (eagle3, peagle, ...)"
+    )
     build.set_defaults(func=_cmd_demo_build)
 
     info = demo_commands.add_parser(
@@ -166,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     from draft_worker.server_cli import add_draft_server_parser
 
     add_draft_server_parser(commands, resolve_demo=_demo_draft_dirs, demo_sizes=sizes)
+    _add_train_draft_parser(commands)
 
     check = commands.add_parser(
         "check-install",

@@ -396,12 +396,17 @@ def load_head(
 def eagle3_layer_ids(num_layers: int) -> tuple[int, ...]:
     """The target layers whose inputs EAGLE-3 fuses: {2, L//2, L-3} (ALGORITHMS.md 3).
 
-    Those are distinct and increasing only from L = 7; smaller targets (the demo family has
-    2-4 layers) use the inputs of layers 1, L//2 and L-1 clamped to [0, L-1]: low, mid and
-    high as far as such a stack has them (L=4: 1, 2, 3; L=2: 1, 1, 1 - a repeated layer just
-    gives fc more weights on it).
+    Those are distinct and increasing only from L = 7. Smaller targets (the demo family has
+    2-4 layers) keep low / mid / high as far as such a stack has them, always three distinct
+    ids (the handshake refuses a repeated layer): L = 4..6 -> the inputs of layers 1, L//2,
+    L-1 (L = 4: 1, 2, 3); L = 2..3 -> the last two layer inputs and the final hidden state
+    (id L, after the final norm): L = 2 -> 0, 1, 2.
     """
+    if num_layers < 2:
+        raise ValueError(f"EAGLE-3 needs a target of at least 2 layers, not {num_layers}")
     low, mid, high = 2, num_layers // 2, num_layers - 3
     if low < mid < high:
         return (low, mid, high)
-    return tuple(min(num_layers - 1, max(0, i)) for i in (1, num_layers // 2, num_layers - 1))
+    if num_layers >= 4:
+        return (1, num_layers // 2, num_layers - 1)
+    return (num_layers - 2, num_layers - 1, num_layers)

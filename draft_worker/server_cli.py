@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from draft_worker.proposer import Proposer
 
-# SIZE -> (draft checkpoint folder, tokenizer folder)
-DemoResolver = Callable[[str], tuple[Path, Path]]
+# (SIZE, method) -> (the method's demo drafter folder, tokenizer folder)
+DemoResolver = Callable[[str, str], tuple[Path, Path]]
 
 
 def add_draft_server_parser(
@@ -152,7 +152,7 @@ def _model_folders(
     if args.demo:
         if resolve_demo is None:
             raise SystemExit("--demo is not available here: this entry point has no demo resolver")
-        draft_dir, tokenizer_dir = resolve_demo(args.demo)
+        draft_dir, tokenizer_dir = resolve_demo(args.demo, args.method)
         return draft_dir, Path(args.tokenizer or tokenizer_dir), f"demo-{args.demo}-{args.method}"
     model_dir = Path(args.model) if args.model else None
     tokenizer_dir = args.tokenizer or model_dir

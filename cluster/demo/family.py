@@ -8,6 +8,8 @@ A family is one folder:
         tokenizer/         tokenizer.json + configs (AutoTokenizer loads it)
         target/            config.json + model.safetensors + tokenizer files
         draft/             the independent draft LM, same layout
+        heads/             trained draft heads (eagle3, peagle, ...), each with its own
+                           manifest and digest (`cluster.demo.heads`); not in this manifest
 
 The digest covers the whole recipe including the seed, so a changed recipe is a new entry.
 A build writes into a temporary folder and renames it into place only when complete, and a
@@ -92,7 +94,9 @@ def verify_family(root: Path, recipe: DemoRecipe) -> DemoFamily:
     if manifest.get("recipe_digest") != recipe.digest():
         raise CorruptCacheError(f"{root} was built from another recipe ({manifest.get('recipe_digest')})")
     expected = manifest.get("files") or {}
+    # heads/ holds the trained draft heads, each under its own manifest (cluster.demo.heads).
     present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()} - {MANIFEST}
+    present = {p for p in present if not p.startswith("heads/")}
     if missing := sorted(set(expected) - present):
         raise CorruptCacheError(f"{root} is missing {missing}")
     if extra := sorted(present - set(expected)):

@@ -14,7 +14,8 @@ sequences captures the features (`HiddenCapture`), exactly the tensors the engin
 drafter at serving time. Full-vocabulary target probabilities are not stored: a trainer
 recomputes them from the final hidden state with the target's head (`target_logits`).
 
-Cache: `<data_cache_dir>/<digest>.safetensors` (features stored as bfloat16 to halve the
+Cache: `<data_cache_dir>/<digest>.safetensors`, holding the inputs of every layer and the final
+hidden state, so one file serves every method (features stored as bfloat16 to halve the
 file; the sha256 of the target weights is part of the digest, so a retrained target never
 reuses stale data). Written to a temporary name and renamed, so a killed run leaves nothing
 half-written behind.
@@ -135,7 +136,7 @@ def load_distill_data(args: TrainArgs, layers_fn: Callable[[int], tuple[int, ...
         )
     spec = DataSpec(
         target_sha256=target_weights_sha256(target_dir),
-        layer_ids=layer_ids,
+        layer_ids=tuple(range(num_layers + 1)),  # every layer: one file serves every method
         num_sequences=args.num_sequences,
         prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens,
