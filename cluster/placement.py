@@ -1,7 +1,8 @@
 """Deployment options from the config: replicas or autoscaling, resources, placement groups.
 
 Placement (DESIGN.md "Where users outgrow one machine"): each target replica reserves one
-bundle per tensor-parallel rank, packed on one node, on the large-GPU pool; each draft replica
+bundle per tensor-parallel rank, packed on one node when it fits (else on as few nodes as
+possible), on the large-GPU pool; each draft replica
 one bundle on the small-GPU pool (`cluster.gpu_pools`). Without GPUs every ask is CPUs only.
 
 Autoscaling, and the ratios to start from:
@@ -64,9 +65,11 @@ def target_options(args: OutriderArgs, pools: PoolAssignment) -> dict[str, Any]:
         "max_queued_requests": args.engine.max_queued_requests,
         **_scaling(args.target.autoscaling, args.target.num_replicas),
     }
-    if tp > 1:  # one bundle per rank on one node; the replica itself takes bundle 0
+    if tp > 1:  # one bundle per rank; the replica itself takes bundle 0
         options["placement_group_bundles"] = [dict(per_rank) or {"CPU": 0.001} for _ in range(tp)]
-        options["placement_group_strategy"] = "STRICT_PACK"
+        # PACK: one node whenever the group fits there (NVLink), else as few nodes as possible,
+        # so a TP group larger than a node (DeepSeek-V3 on 2 x 8 GPUs) spans nodes (docs/deepseek.md).
+        options["placement_group_strategy"] = "PACK"
         options["ray_actor_options"] = {"num_cpus": 0}
     else:
         options["ray_actor_options"] = {"num_cpus": args.target.num_cpus, **gpu}

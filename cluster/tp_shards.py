@@ -1,6 +1,6 @@
 """A target replica's tensor-parallel group: rank 0 in the replica, ranks 1.. as shard actors.
 
-    placement group of one target replica (STRICT_PACK: one node, NVLink/shared memory)
+    placement group of one target replica (PACK: one node when the group fits, else spanning nodes)
       bundle 0: the TargetWorker replica  = rank 0: engine + LeaderRunner
       bundle 1: TPShard actor             = rank 1: follow(runner)     ...
 

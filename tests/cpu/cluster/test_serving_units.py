@@ -57,7 +57,7 @@ def test_deployment_options_without_gpus():
     args = load_args({"tensor_parallel_size": 2, "target": {"num_cpus": 1}, "engine": {"max_num_seqs": 4}})
     options = target_options(args, none)
     assert options["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 1}]
-    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["placement_group_strategy"] == "PACK"  # one node when it fits; may span nodes
     assert options["max_queued_requests"] == args.engine.max_queued_requests
     draft = draft_options(load_args({"draft_pool": {"autoscaling": {"max_replicas": 3}}}), none)
     assert draft["autoscaling_config"]["policy"]["policy_function"] == "cluster.placement:DraftLoadPolicy"
@@ -106,6 +106,23 @@ def test_metrics_page_sums_replica_snapshots():
     assert 'outrider:spec_decode_mean_acceptance_length{model_name="m"} 2.0' in page
     assert 'outrider:time_to_first_token_seconds_count{model_name="m"} 1' in page
     assert 'outrider:generation_tokens_total{model_name="m"} 3' in page
+
+
+def test_metrics_page_takes_the_cache_hit_rate_from_the_draft_replicas():
+    metrics = Metrics("m")
+    metrics.snapshot({"replica": "t", "num_drafts": 5})  # target replicas report no cache keys
+    metrics.draft_snapshots(
+        [
+            {"replica": "draft-a", "cache_hits": 3, "cache_lookups": 4, "trees_sent": 9},
+            {"replica": "draft-b", "cache_hits": 1, "cache_lookups": 4, "trees_sent": 1},
+        ]
+    )
+    metrics.draft_snapshots([{"replica": "draft-b", "cache_hits": 2, "cache_lookups": 4, "trees_sent": 2}])
+    page = metrics.render()
+    assert 'outrider:spec_cache_hits_total{model_name="m"} 5' in page
+    assert 'outrider:spec_cache_lookups_total{model_name="m"} 8' in page
+    assert 'outrider:spec_cache_hit_rate{model_name="m"} 0.625' in page
+    assert 'outrider:draft_trees_sent_total{model_name="m"} 11' in page
 
 
 @dataclass
