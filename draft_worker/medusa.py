@@ -232,6 +232,10 @@ class StaticTree:
     sibling: torch.Tensor  # [N] int64; position among its siblings, in rank order
     expanded: torch.Tensor  # [E] int64; nodes with children (each gets a q row)
     width: int  # q row width: the largest rank used + 1
+    head: torch.Tensor  # [N] int64; the head a node's token comes from (depth - 1; root: 0)
+    below: torch.Tensor  # [E] int64; the head an expanded node's children come from (its depth)
+    parent_slot: torch.Tensor  # [N] int64; row in `expanded` of each node's parent (root: 0)
+    max_depth: int
 
     @classmethod
     def compile(cls, choices: Sequence[Sequence[int]], num_heads: int) -> StaticTree:
@@ -254,14 +258,21 @@ class StaticTree:
         for p in layout[1:]:
             sibling.append(seen.get(p[:-1], 0))
             seen[p[:-1]] = sibling[-1] + 1
+        expanded = sorted(set(parents[1:]))
+        slot = {node: row for row, node in enumerate(expanded)}
+        depth = [len(p) for p in layout]
         return cls(
             paths=paths,
             parents=torch.tensor(parents),
-            depth=torch.tensor([len(p) for p in layout]),
+            depth=torch.tensor(depth),
             rank=torch.tensor([p[-1] if p else 0 for p in layout]),
             sibling=torch.tensor(sibling),
-            expanded=torch.tensor(sorted(set(parents[1:])), dtype=torch.int64),
+            expanded=torch.tensor(expanded, dtype=torch.int64),
             width=1 + max((p[-1] for p in paths), default=-1),
+            head=torch.tensor([max(d - 1, 0) for d in depth]),
+            below=torch.tensor([depth[u] for u in expanded], dtype=torch.int64),
+            parent_slot=torch.tensor([0] + [slot[u] for u in parents[1:]]),
+            max_depth=max(depth),
         )
 
     def cut(self, budget: TreeBudget) -> StaticTree:
@@ -370,14 +381,28 @@ class MedusaProposer(Proposer[MedusaState]):
     def draft(self, updates: Sequence[SequenceUpdate], states: Sequence[MedusaState]) -> list[CandidateTree]:
         trees = [self.tree_for(self.budget(u)) for u in updates]
         drafting = [b for b, t in enumerate(trees) if t.num_nodes > 1 and states[b].hidden is not None]
-        out = [root_only_tree(u) for u in updates]
-        if not drafting:
-            return out
+        out: list[CandidateTree | None] = [None] * len(updates)
+        if drafting:
+            self._draft(updates, states, trees, drafting, out)
+        return [tree or root_only_tree(u) for tree, u in zip(out, updates, strict=True)]
+
+    def _draft(
+        self,
+        updates: Sequence[SequenceUpdate],
+        states: Sequence[MedusaState],
+        trees: list[StaticTree],
+        drafting: list[int],  # positions in `updates` that get a tree
+        out: list[CandidateTree | None],  # filled in at those positions
+    ) -> None:
         hidden = torch.stack([states[b].hidden for b in drafting]).to(self.device)  # [B', H]
-        logits = self.heads(hidden)  # [B', K, V_out]
+        logits = self.heads(hidden).float()  # [B', K, V_out]
         width = max(trees[b].width for b in drafting)
         params = [updates[b].sampling for b in drafting]
-        weights, ids = head_probs(logits, params).topk(width, dim=-1)  # [B', K, width] each
+        if all(s.greedy for s in params):  # plain softmax: only its top entries are needed
+            top, ids = logits.topk(width, dim=-1)
+            weights = (top - logits.logsumexp(-1, keepdim=True)).exp()
+        else:
+            weights, ids = head_probs(logits, params).topk(width, dim=-1)  # [B', K, width] each
         if self.heads.token_map is not None:
             ids = self.heads.token_map[ids]
         weights, ids = weights.cpu(), ids.cpu()
@@ -392,12 +417,11 @@ class MedusaProposer(Proposer[MedusaState]):
                 mode,
                 [updates[b] for b in members],
                 [states[b].generator for b in members],
-                weights[rows],
-                ids[rows],
+                weights if len(rows) == len(drafting) else weights[rows],
+                ids if len(rows) == len(drafting) else ids[rows],
             )
             for b, tree in zip(members, built, strict=True):
                 out[b] = tree
-        return out
 
 
 def grow_trees(
@@ -409,11 +433,10 @@ def grow_trees(
     ids: torch.Tensor,  # [G, K, >= width] int64
 ) -> list[CandidateTree]:
     """The static tree filled in for G sequences at once (one sampling mode)."""
-    width, num_nodes = tree.width, tree.num_nodes
+    width, num_nodes, head, below = tree.width, tree.num_nodes, tree.head, tree.below
     weights = weights[:, :, :width]
-    ids = torch.where(weights > 0, ids[:, :, :width], -1)  # tokens q does not have: padding
-    head = (tree.depth - 1).clamp(min=0)  # [N]; the head each node's token comes from
-    below = tree.depth[tree.expanded]  # [E]; an expanded node's children come from head `depth`
+    present = weights > 0  # [G, K, width]; q has that many tokens
+    ids = torch.where(present, ids[:, :, :width], -1)  # tokens q does not have: padding
     if mode == DraftSampling.DETERMINISTIC:
         rows = weights  # top-k children: the q row sent is the head's q itself
         pick = tree.rank  # [N]; node (..., r) takes rank r
@@ -421,23 +444,23 @@ def grow_trees(
     else:
         rows = weights / weights.sum(-1, keepdim=True)  # the q the children are drawn from
         draws = _draw(mode, ids[:, below], rows[:, below], _uniforms(generators, below.shape[0], width))
-        slot = torch.zeros(num_nodes, dtype=torch.int64)
-        slot[tree.expanded] = torch.arange(below.shape[0])
         pick = tree.sibling  # [N]; the i-th sibling (in rank order) takes the i-th draw
-        tokens = draws[:, slot[tree.parents.clamp(min=0)], pick.clamp(max=width - 1)]  # [G, N]
+        tokens = draws[:, tree.parent_slot, pick.clamp(max=width - 1)]  # [G, N]
     tokens[:, 0] = torch.stack([u.new_tokens[-1] for u in updates]).long()
     # A node exists while its head's q has a pick-th token and so does every ancestor's.
-    exists = (pick < (weights > 0).sum(-1)[:, head]) | (tree.depth == 0)  # [G, N]
-    for _ in range(int(tree.depth.max())):
-        exists &= exists[:, tree.parents.clamp(min=0)]
+    exists = None
+    if not bool(present.all()):
+        exists = (pick < present.sum(-1)[:, head]) | (tree.depth == 0)  # [G, N]
+        for _ in range(tree.max_depth):
+            exists &= exists[:, tree.parents.clamp(min=0)]
     q_ids = ids[:, below]  # [G, E, width]
     q_probs = torch.where(q_ids >= 0, rows[:, below], 0.0).float()
     out = []
     for g, update in enumerate(updates):
         parents, q_nodes, q_g, ids_g, probs_g = tree.parents, tree.expanded, slice(None), q_ids[g], q_probs[g]
-        kept = exists[g]
         nodes = tokens[g]
-        if not bool(kept.all()):  # some q rows were too short: drop those nodes and their subtrees
+        kept = None if exists is None else exists[g]
+        if kept is not None and not bool(kept.all()):  # q rows too short: drop those nodes and subtrees
             local = kept.cumsum(0) - 1
             nodes = nodes[kept]
             parents = torch.where(tree.parents[kept] >= 0, local[tree.parents[kept].clamp(min=0)], -1)
@@ -450,7 +473,7 @@ def grow_trees(
             CandidateTree(
                 seq_id=update.seq_id,
                 round=update.round,
-                tokens=nodes.clone(),
+                tokens=nodes,
                 parents=parents.clone(),
                 q_nodes=q_nodes.clone(),
                 q_token_ids=ids_g.contiguous(),

@@ -89,7 +89,7 @@ def test_trained_heads_beat_untrained_ones_on_tau_and_greedy_equals_plain(setup,
     assert base == plain and trained == plain
     assert stats.num_invalid_trees == 0
     tau, base_tau = stats.spec.mean_acceptance_length, base_stats.spec.mean_acceptance_length
-    assert tau > base_tau + 0.2, (tau, base_tau)  # measured 1.9 vs 1.2
+    assert tau > base_tau + 0.2, (tau, base_tau)  # measured 2.4 vs 1.2
 
 
 class Interrupted(Exception):

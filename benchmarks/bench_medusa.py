@@ -1,0 +1,51 @@
+"""Medusa heads through the step engine, next to plain decoding, on a demo family.
+
+    python -m benchmarks.bench_medusa --size small                 # the issue's setting
+    python -m benchmarks.bench_medusa --size tiny --prompts 2 --repeats 1
+
+The sweep, its figures (tau, tokens/s and speedups against plain in the same run, per-position
+acceptance, drafter ms per round, looping share, tau on non-looping outputs) and the report
+format are bench_drafting's: this script trains (or loads) the family's Medusa heads through
+`cluster.demo.heads` and runs bench_drafting's `main` with a method table of Medusa shapes
+instead of its own. Every other option is bench_drafting's and is passed through.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks import bench_drafting
+
+
+def medusa_configs(heads_dir: str) -> dict[str, dict | None]:
+    """Method label -> speculative config; None = plain decoding."""
+    medusa = {"method": "medusa", "model": heads_dir}
+    return {
+        "plain": None,
+        "medusa-chain": {**medusa, "num_speculative_tokens": 3},
+        "medusa-tree-8": {**medusa, "num_speculative_tokens": 3, "tree_top_k": 3, "tree_max_nodes": 8},
+        "medusa-tree-16": {**medusa, "num_speculative_tokens": 4, "tree_top_k": 4, "tree_max_nodes": 16},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--name", default=None)
+    args, rest = parser.parse_known_args(argv)
+
+    from cluster.demo.family import ensure_demo_family
+    from cluster.demo.heads import demo_head_dir
+
+    heads = str(demo_head_dir(ensure_demo_family(args.size), "medusa"))
+    # bench_drafting builds its engines from `method_configs(draft_dir)`; its report lists the
+    # configs of "<draft>", which here names the heads folder instead.
+    bench_drafting.method_configs = lambda draft_dir: medusa_configs(
+        "<heads>" if draft_dir == "<draft>" else heads
+    )
+    name = args.name or f"bench_medusa_{args.size}"
+    return bench_drafting.main(["--size", args.size, "--name", name, *rest])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
