@@ -14,6 +14,7 @@ default signal, requests in flight, would see nothing, because rounds never pass
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -34,17 +35,22 @@ def registry_prefix(app_name: str) -> str:
     return f"outrider/{app_name}/draft/"
 
 
-def draft_endpoints(app_name: str) -> list[str]:
-    """Addresses of the draft replicas of `app_name` that announced themselves recently."""
+def draft_announcements(app_name: str) -> list[dict]:
+    """What each draft replica of `app_name` announced recently: address, replica, counters."""
     now, found = time.time(), []
     for key in internal_kv._internal_kv_list(registry_prefix(app_name), namespace=NAMESPACE):
         value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
         if value is None:
             continue
-        address, _, stamp = value.decode().rpartition("|")
-        if now - float(stamp) < STALE_S:
-            found.append(address)
-    return sorted(found)
+        entry = json.loads(value)
+        if now - entry["time"] < STALE_S:
+            found.append(entry)
+    return sorted(found, key=lambda e: e["address"])
+
+
+def draft_endpoints(app_name: str) -> list[str]:
+    """Addresses of the draft replicas of `app_name` that announced themselves recently."""
+    return [entry["address"] for entry in draft_announcements(app_name)]
 
 
 def wait_for_draft_endpoints(app_name: str, timeout_s: float = 120.0) -> list[str]:
@@ -77,7 +83,8 @@ class DraftWorker:
         self.server = serve_grpc(proposer, identity, address=f"0.0.0.0:{grpc_port}")
         self.address = f"{ray.util.get_node_ip_address()}:{self.server.port}"
         context = serve.get_replica_context()
-        self._key = registry_prefix(context.app_name) + context.replica_id.unique_id
+        self.replica = context.replica_id.unique_id
+        self._key = registry_prefix(context.app_name) + self.replica
         self._stop = threading.Event()
         self._announce()
         threading.Thread(target=self._heartbeat, name="draft-registry", daemon=True).start()
@@ -85,8 +92,20 @@ class DraftWorker:
         log.info("draft replica serving %s on %s", speculative_config["method"], self.address)
 
     def _announce(self) -> None:
-        value = f"{self.address}|{time.time()}".encode()
-        internal_kv._internal_kv_put(self._key, value, overwrite=True, namespace=NAMESPACE)
+        """Address and counters; the ingress's /metrics reads the counters from here too."""
+        s = self.server.stats
+        entry = {
+            "address": self.address,
+            "replica": f"draft-{self.replica}",
+            "time": time.time(),
+            "trees_sent": s.trees_sent,
+            "cache_hits": s.spec_cache_hits,
+            "cache_lookups": s.spec_cache_hits + s.spec_cache_misses,
+            "cache_saved_s": s.spec_cache_saved_s,
+        }
+        internal_kv._internal_kv_put(
+            self._key, json.dumps(entry).encode(), overwrite=True, namespace=NAMESPACE
+        )
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

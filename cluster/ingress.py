@@ -9,6 +9,10 @@ Its four jobs, and nothing else (STYLE.md rule 12):
    back into text, cutting at stop strings;
 4. serve `/v1/models`, `/health` and `/metrics`.
 
+With `api_key_file` set, every /v1 route first checks `Authorization: Bearer <key>` and
+answers 401 in OpenAI's shape without it; `/health` and `/metrics` stay open for probes
+and scrapers.
+
 Overload is answered, never queued without bound: the target refuses a request when its own
 queue is full (`EngineOverloaded`) and Serve refuses one past `max_queued_requests`
 (`BackPressureError`); both become 429 before any byte of the response is sent, because every
@@ -16,10 +20,12 @@ target stream opens with an empty "admitted" chunk that the ingress awaits first
 """
 
 import asyncio
+import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -62,18 +68,52 @@ def _as_api_error(error: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(error).__name__}")
 
 
+def read_api_key(path: str | None) -> str | None:
+    """The key in `path` (surrounding whitespace dropped); None without a path. An empty file is an error."""
+    if path is None:
+        return None
+    key = Path(path).read_text().strip()
+    if not key:
+        raise ValueError(f"api_key_file {path!r} is empty")
+    return key
+
+
+def check_api_key(authorization: str | None, api_key: str | None) -> None:
+    """Raise 401 unless the `Authorization` header is `Bearer <api_key>`; no key set, no check."""
+    if api_key is None:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    # compare_digest: the time taken must not tell how much of a guessed key was right.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise ApiError(
+            401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"
+        )
+
+
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024)
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, target, model: ServedModel, default_max_tokens: int, chat_template: str | None = None):
+    def __init__(
+        self,
+        target,
+        model: ServedModel,
+        default_max_tokens: int,
+        chat_template: str | None = None,
+        api_key_file: str | None = None,
+    ):
         self.target, self.model, self.default_max_tokens = target, model, default_max_tokens
+        self.api_key = read_api_key(api_key_file)
         self.tokenizer = load_tokenizer(model.tokenizer_dir, chat_template)
         self.metrics = Metrics(model.name)
 
     # ------------------------------------------------------------------ routes
 
     @app.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> Response:
+        try:
+            check_api_key(request.headers.get("authorization"), self.api_key)
+        except ApiError as e:
+            return self._refuse(e)
         card = {
             "id": self.model.name,
             "object": "model",
@@ -97,6 +137,12 @@ class OpenAIIngress:
             self.metrics.snapshot(await asyncio.wait_for(self.target.stats.remote(), timeout=5))
         except Exception as e:  # a scrape must still answer with what is known
             log.warning("metrics: no fresh target snapshot (%s)", e)
+        try:  # draft replicas announce their counters with their address (cluster.draft)
+            from cluster.draft import draft_announcements
+
+            self.metrics.draft_snapshots(draft_announcements(serve.get_replica_context().app_name))
+        except Exception as e:
+            log.warning("metrics: draft replicas' counters unreadable (%s)", e)
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
@@ -110,6 +156,10 @@ class OpenAIIngress:
     # ------------------------------------------------------------------ one request
 
     async def _serve(self, request: Request, schema: type[SamplingFields], chat: bool) -> Response:
+        try:
+            check_api_key(request.headers.get("authorization"), self.api_key)
+        except ApiError as e:
+            return self._refuse(e)
         try:
             try:
                 body = await request.json()
@@ -146,6 +196,12 @@ class OpenAIIngress:
             events = self._stream(request_id, req, opened, len(prompt_ids), chat)
             return StreamingResponse(events, media_type="text/event-stream")
         return await self._whole(request_id, req, opened, len(prompt_ids), chat)
+
+    def _refuse(self, error: ApiError) -> Response:
+        self.metrics.error(error.status)
+        response = error.response()
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
 
     def _prompt_ids(self, req: SamplingFields, chat: bool) -> list[int]:
         if chat:

@@ -40,8 +40,12 @@ SNAPSHOT_COUNTERS = {
         "draft_trees_missing",
         "Sequence-rounds decoded without a tree (deadline, no drafter).",
     ),
+}
+# Keys each draft replica announces with its address (`cluster.draft`) -> (metric name, help).
+DRAFT_COUNTERS = {
     "cache_hits": ("spec_cache_hits", "Draft rounds answered from the speculation cache."),
     "cache_lookups": ("spec_cache_lookups", "Draft rounds that looked in the speculation cache."),
+    "trees_sent": ("draft_trees_sent", "Candidate trees the draft replicas sent."),
 }
 SNAPSHOT_GAUGES = {
     "running": ("num_requests_running", "Sequences in the engine's batch."),
@@ -85,7 +89,8 @@ class Metrics:
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.errors: dict[int, int] = {}
-        self.snapshots: dict[str, dict[str, Any]] = {}
+        self.snapshots: dict[str, dict[str, Any]] = {}  # target replica -> its latest counters
+        self.drafts: dict[str, dict[str, Any]] = {}  # draft replica -> its latest counters
 
     # --------------------------------------------------------------- recording
 
@@ -108,11 +113,18 @@ class Metrics:
         with self._lock:
             self.snapshots[str(snap.get("replica", "?"))] = snap
 
+    def draft_snapshots(self, snaps: list[dict[str, Any]]) -> None:
+        """The draft replicas' latest counters (all of them: departed replicas' counts stay)."""
+        with self._lock:
+            for snap in snaps:
+                self.drafts[str(snap.get("replica", "?"))] = snap
+
     # --------------------------------------------------------------- rendering
 
     def render(self) -> str:
         with self._lock:
             snaps = list(self.snapshots.values())
+            draft_snaps = list(self.drafts.values())
             labels = f'model_name="{self.model_name}"'
             lines: list[str] = []
 
@@ -169,12 +181,14 @@ class Metrics:
                 "Mean time the engine waited to collect a round's trees.",
                 [("", _ratio(snaps, "draft_round_trip_s", "draft_round_trips"))],
             )
-            lookups = sum(s.get("cache_lookups", 0) for s in snaps)
+            for key, (name, help_) in DRAFT_COUNTERS.items():
+                metric(name, "counter", help_, [("", sum(s.get(key, 0) for s in draft_snaps))])
+            lookups = sum(s.get("cache_lookups", 0) for s in draft_snaps)
             metric(
                 "spec_cache_hit_rate",
                 "gauge",
-                "Speculation-cache hits / lookups (draft side; 0 when no cache reports).",
-                [("", sum(s.get("cache_hits", 0) for s in snaps) / lookups if lookups else 0.0)],
+                "Speculation-cache hits / lookups over the draft replicas (0 when none reports).",
+                [("", sum(s.get("cache_hits", 0) for s in draft_snaps) / lookups if lookups else 0.0)],
             )
             metric("prompt_tokens", "counter", "Prompt tokens processed.", [("", self.prompt_tokens)])
             metric("generation_tokens", "counter", "Tokens generated.", [("", self.generation_tokens)])

@@ -159,6 +159,8 @@ class TargetWorker:
         if loop is not None:
             loop.stop()
         if getattr(self, "draft_source", None) is not None:
+            if getattr(self.draft_source, "watcher", None) is not None:
+                self.draft_source.watcher.stop()
             self.draft_source.close()
         if getattr(self, "shards", None) is not None:
             self.shards.shutdown()
@@ -185,8 +187,46 @@ class TimedDraftSource(DraftSource):
             self.collects += 1
             self.collect_s += time.perf_counter() - start
 
+    def feature_projection(self):
+        return self.inner.feature_projection()
+
     def close(self) -> None:
         self.inner.close()
+
+
+class DraftPoolWatcher:
+    """Keeps a RemoteDraftSource's addresses in step with the draft deployment's replicas.
+
+    Draft replicas announce themselves in Ray's internal KV (`cluster.draft`); when Serve
+    scales the draft deployment up or down, the set of fresh announcements changes and the
+    client follows it (`RemoteDraftSource.set_endpoints`): new replicas get sequences, the
+    sequences of a departed one move with their whole context.
+    """
+
+    def __init__(self, source, app_name: str, period_s: float = 2.0):
+        import threading
+
+        self.source, self.app_name, self.period_s = source, app_name, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="draft-pool-watcher", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from cluster.draft import draft_endpoints
+
+        while not self._stop.wait(self.period_s):
+            try:
+                found = draft_endpoints(self.app_name)
+            except Exception as error:  # the GCS can blip; the last known pool stays in use
+                log.debug("draft registry unreadable: %s", error)
+                continue
+            current = [e.address for e in self.source.endpoints]
+            if found and sorted(found) != sorted(current):
+                log.info("draft pool changed: %s -> %s", current, found)
+                self.source.set_endpoints(found)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def speculative_for(args: OutriderArgs, model: ServedModel) -> dict[str, Any] | None:
@@ -234,4 +274,7 @@ def build_draft_source(args: OutriderArgs, model: ServedModel, runner, app_name:
     )
     if not source.wait_ready(timeout_s=60):
         log.warning("no draft worker reachable at %s yet; decoding without drafts until one is", addresses)
-    return TimedDraftSource(source)
+    timed = TimedDraftSource(source)
+    if pool.mode != "external":  # the deployment's replicas come and go with autoscaling
+        timed.watcher = DraftPoolWatcher(source, app_name)
+    return timed

@@ -60,6 +60,11 @@ def test_tp2_target_with_draft_deployment(base_url, tiny_family):
     page = get(f"{base_url}/tp/metrics")[1]
     assert metric(page, "outrider:spec_decode_num_drafts_total") > 0
     assert metric(page, "outrider:draft_round_trips_total") > 0
+    # The draft replica's own counters reach /metrics with its registry announcement (every 2 s).
+    assert _wait_for(
+        lambda: metric(get(f"{base_url}/tp/metrics")[1], "outrider:spec_cache_lookups_total") > 0, 15
+    ), get(f"{base_url}/tp/metrics")[1]  # ngram pre-drafts by default: lookups on every round
+    assert metric(get(f"{base_url}/tp/metrics")[1], "outrider:draft_trees_sent_total") > 0
     from ray import serve
 
     serve.delete("tp")  # frees its three processes for the autoscaling test
