@@ -13,6 +13,7 @@ a message naming the field; the engine and the workers get frozen values built f
       target: TargetDeploymentArgs                     replicas, autoscaling, CPUs per replica
       draft_pool: DraftPoolArgs                        where drafting runs, its replicas, deadline
       gpu_pools: GpuPoolConfig                         which GPUs are draft / target GPUs
+      api_key_file                                     the ingress's Bearer key, read from a file
 
 A minimal Serve config (`serve run cluster/serve_demo.yaml`):
 
@@ -196,6 +197,12 @@ class OutriderArgs(_Strict):
         default_factory=GpuPoolConfig, description="Memory thresholds sorting GPUs into draft/target pools."
     )
     ingress_num_cpus: float = Field(0.0, ge=0, description="CPUs Ray reserves for the HTTP ingress replica.")
+    api_key_file: str | None = Field(
+        None,
+        description="A file holding the API key clients must send as `Authorization: Bearer <key>` on the "
+        "/v1 routes (e.g. a mounted Kubernetes Secret); read by the ingress replica at start. A file, not "
+        "the key itself, so the key stays out of Serve configs and the Ray dashboard. Default: no key.",
+    )
 
     @model_validator(mode="after")
     def _check_speculative_config(self) -> OutriderArgs:
