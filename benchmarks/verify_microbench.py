@@ -111,7 +111,8 @@ def write_report(rows: list[dict], device: str, args: argparse.Namespace) -> Non
         threads=args.threads,
         repeats=args.repeats,
     )
-    (RESULTS / "verify_microbench.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1) + "\n")
+    name = "verify_microbench_cuda" if device == "cuda" else "verify_microbench"
+    (RESULTS / f"{name}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1) + "\n")
     lines = [
         "# Verification microbenchmark",
         "",
@@ -128,7 +129,7 @@ def write_report(rows: list[dict], device: str, args: argparse.Namespace) -> Non
         + f" | {r['ms']:.2f} | {r['tau']:.2f} |"
         for r in rows
     ]
-    (RESULTS / "verify_microbench.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def ragged_attention(
         if n == 1 and seq.mask is None:
             # One query: heads sharing a KV head become `group` query rows of that head.
             qs = q[seq.q_start].view(1, num_kv_heads, group, -1)
-            o = F.scaled_dot_product_attention(qs, k, v, scale=scale).view(1, num_heads, -1)
+            o = F.scaled_dot_product_attention(qs, k, v, scale=scale).reshape(1, num_heads, -1)
         else:
             qs = q[seq.q_start : seq.q_stop].transpose(0, 1)[None]  # [1, H_q, n, D]
             o = F.scaled_dot_product_attention(

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark in one run: a GPU machine is lent for minutes, not hours.
+#
+#   bash tests/gpu/run_device_checks.sh            # on a machine with CUDA, from the repo root
+#
+# 1. pytest tests/gpu: Triton kernels compiled for the real device vs the torch references,
+#    the target runner on CUDA vs CPU, the DeepSeek-V3 runner on CUDA;
+# 2. benchmarks/verify_microbench.py --full: torch vs Triton verification;
+# 3. benchmarks/gpu_verify_cost.py: tree-verify cost vs a 1-token decode, Llama-8B shape.
+# Logs and result files go to $OUT (default ./out). Wheels in .whl/ (e.g. a newer protobuf
+# than the machine has) are installed to /tmp/site first, for machines with no index.
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+LOG="$OUT/device_log.txt"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import torch, triton, transformers, google.protobuf as pb; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'protobuf', pb.__version__)"
+} 2>&1 | tee "$LOG"
+status=0
+step() {  # step SECONDS CMD...: run with a time limit, log it, remember a failure
+    local limit=$1; shift
+    echo "=== $* (limit ${limit}s)" | tee -a "$LOG"
+    local start=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    echo "=== rc $rc in $((SECONDS - start)) s" | tee -a "$LOG"
+    [ "$rc" = 0 ] || status=1
+}
+step 170 python3 -m pytest tests/gpu -q -p no:cacheprovider -rA
+step 100 python3 benchmarks/verify_microbench.py --full --repeats 5
+cp benchmarks/results/verify_microbench_cuda.* "$OUT"/ 2>/dev/null
+step 130 python3 -m benchmarks.gpu_verify_cost --layers 4 --context 512
+cp benchmarks/results/gpu_verify_cost.* "$OUT"/ 2>/dev/null
+exit $status
