@@ -31,7 +31,7 @@ def build_app(args: OutriderArgs | dict[str, Any] | None = None) -> serve.Applic
     if spec is not None and args.draft_pool.mode == "deployment":
         # Bound only so Serve deploys it: targets reach drafters over gRPC, found by registry.
         drafts = DraftWorker.options(**draft_options(args, pools)).bind(
-            model, spec, args.draft_pool.grpc_port
+            model, spec, args.draft_pool.grpc_port, args.draft_pool.model_dump()
         )
     else:
         drafts = None

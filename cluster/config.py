@@ -24,6 +24,7 @@ A minimal Serve config (`serve run cluster/serve_demo.yaml`):
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -138,6 +139,66 @@ class DraftPoolArgs(_Strict):
     grpc_port: int = Field(
         0, ge=0, le=65535, description="Port of each draft replica's gRPC server; 0 = any free one."
     )
+    token_file: str | None = Field(
+        None,
+        description="File holding a shared token: draft servers refuse calls without "
+        "`authorization: Bearer <token>`, and targets send it (a mounted Secret under Kubernetes).",
+    )
+    tls_cert_file: str | None = Field(
+        None,
+        description="PEM certificate chain: the draft servers' certificate, also presented by targets "
+        "as their client certificate (mutual TLS) when tls_ca_file is set. Needs tls_key_file.",
+    )
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
+    tls_ca_file: str | None = Field(
+        None,
+        description="PEM CA that signed the draft servers' certificates (targets verify them); with "
+        "tls_cert_file, draft servers also require client certificates signed by it.",
+    )
+    tls_server_name: str | None = Field(
+        None,
+        description="Name to expect in the draft servers' certificate when it does not name their "
+        "addresses (pod IPs rarely appear in certificates).",
+    )
+
+    @model_validator(mode="after")
+    def _tls_files_pair_up(self) -> DraftPoolArgs:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("draft_pool.tls_cert_file and draft_pool.tls_key_file go together")
+        if self.mode == "deployment" and self.tls_ca_file and not self.tls_cert_file:
+            raise ValueError(
+                "draft_pool.tls_ca_file with a draft deployment needs tls_cert_file/tls_key_file"
+            )
+        return self
+
+    def server_security(self) -> tuple[Any, str | None]:
+        """(ServerTls or None, token or None) for a draft server of this pool."""
+        from draft_worker.server import ServerTls
+
+        tls = None
+        if self.tls_cert_file:
+            client_ca = Path(self.tls_ca_file).read_bytes() if self.tls_ca_file else None
+            tls = ServerTls(
+                Path(self.tls_cert_file).read_bytes(), Path(self.tls_key_file).read_bytes(), client_ca
+            )
+        return tls, self._token()
+
+    def client_security(self) -> tuple[Any, str | None]:
+        """(ClientTls or None, token or None) for a target talking to this pool."""
+        from target_worker.draft_client import ClientTls
+
+        tls = None
+        if self.tls_ca_file:
+            pair = (
+                (Path(self.tls_cert_file).read_bytes(), Path(self.tls_key_file).read_bytes())
+                if self.tls_cert_file
+                else (None, None)
+            )
+            tls = ClientTls(Path(self.tls_ca_file).read_bytes(), *pair, server_name=self.tls_server_name)
+        return tls, self._token()
+
+    def _token(self) -> str | None:
+        return Path(self.token_file).read_text().strip() if self.token_file else None
 
     @model_validator(mode="after")
     def _endpoints_mean_external(self) -> DraftPoolArgs:

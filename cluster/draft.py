@@ -67,20 +67,26 @@ def wait_for_draft_endpoints(app_name: str, timeout_s: float = 120.0) -> list[st
 class DraftWorker:
     """One proposer behind a gRPC draft server, shared by every target replica."""
 
-    def __init__(self, model: ServedModel, speculative_config: dict, grpc_port: int = 0):
+    def __init__(
+        self, model: ServedModel, speculative_config: dict, grpc_port: int = 0, pool: dict | None = None
+    ):
         import draft_worker  # noqa: F401 - registers the built-in methods
+        from cluster.config import DraftPoolArgs
+        from cluster.tp_shards import default_device
         from draft_worker.proposer import build_proposer
         from draft_worker.server import DraftIdentity
         from draft_worker.server import serve as serve_grpc
         from target_worker.draft_client import tokenizer_fingerprint
 
-        proposer = build_proposer(speculative_config, vocab_size=model.vocab_size)
+        # The replica's GPU when Ray gave it one (draft pools on small GPUs), else the CPU.
+        proposer = build_proposer(speculative_config, vocab_size=model.vocab_size, device=default_device())
+        tls, token = DraftPoolArgs.model_validate(pool or {"mode": "deployment"}).server_security()
         identity = DraftIdentity(
             draft_model_id=str(speculative_config.get("model") or speculative_config["method"]),
             vocab_size=model.vocab_size,
             vocab_fingerprint=tokenizer_fingerprint(model.tokenizer_dir),
         )
-        self.server = serve_grpc(proposer, identity, address=f"0.0.0.0:{grpc_port}")
+        self.server = serve_grpc(proposer, identity, address=f"0.0.0.0:{grpc_port}", tls=tls, token=token)
         self.address = f"{ray.util.get_node_ip_address()}:{self.server.port}"
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id

@@ -269,8 +269,11 @@ def build_draft_source(args: OutriderArgs, model: ServedModel, runner, app_name:
         ),
         method=spec["method"],
     )
+    tls, token = pool.client_security()
     source = RemoteDraftSource(
-        addresses, handshake, DraftClientConfig(round_deadline_s=pool.round_deadline_ms / 1000)
+        addresses,
+        handshake,
+        DraftClientConfig(round_deadline_s=pool.round_deadline_ms / 1000, tls=tls, token=token),
     )
     if not source.wait_ready(timeout_s=60):
         log.warning("no draft worker reachable at %s yet; decoding without drafts until one is", addresses)

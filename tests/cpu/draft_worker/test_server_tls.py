@@ -90,3 +90,45 @@ def test_tls(pki, mutual):
         assert not _connects(server.port, ClientTls(pki["client_cert"]))  # a CA that did not sign it
     finally:
         server.stop(1)
+
+
+def test_the_draft_pool_config_secures_both_sides_from_files(pki, tmp_path):
+    """`draft_pool` token and TLS files (mounted Secrets under Kubernetes) give the draft
+    deployment's servers and the targets' clients matching settings: mutual TLS + token."""
+    from cluster.config import DraftPoolArgs
+
+    files = {"ca": pki["ca"], "cert": pki["server_cert"], "key": pki["server_key"], "token": b"s3cret\n"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    pool = DraftPoolArgs(
+        mode="deployment",
+        token_file=str(tmp_path / "token"),
+        tls_cert_file=str(tmp_path / "cert"),
+        tls_key_file=str(tmp_path / "key"),
+        tls_ca_file=str(tmp_path / "ca"),
+    )
+    server_tls, token = pool.server_security()
+    assert token == "s3cret" and server_tls.client_ca == pki["ca"]
+    server = serve(
+        _proposer(), DraftIdentity("ngram", VOCAB, "fp"), address="127.0.0.1:0", tls=server_tls, token=token
+    )
+    try:
+        client_tls, client_token = pool.client_security()
+        config = DraftClientConfig(tls=client_tls, token=client_token, connect_timeout_s=1.0)
+        source = RemoteDraftSource([f"127.0.0.1:{server.port}"], HANDSHAKE, config)
+        try:
+            assert source.wait_ready(5)
+        finally:
+            source.close()
+        wrong = DraftClientConfig(
+            tls=client_tls, token="guess", connect_timeout_s=1.0, backoff_initial_s=0.05
+        )
+        source = RemoteDraftSource([f"127.0.0.1:{server.port}"], HANDSHAKE, wrong)
+        try:
+            assert not source.wait_ready(1.5)
+        finally:
+            source.close()
+    finally:
+        server.stop(1)
+    with pytest.raises(ValueError, match="go together"):
+        DraftPoolArgs(mode="deployment", tls_cert_file=str(tmp_path / "cert"))
