@@ -33,10 +33,21 @@ from kernels import SpecDecodeCounters
 from proto import CandidateTree, FeatureSpec, SequenceUpdate
 
 
-def method_configs(draft_dir: str) -> dict[str, dict | None]:
-    """Method name (registry name first) -> speculative config; None = plain decoding."""
+def method_configs(draft_dir: str, heads: dict[str, str] | None = None) -> dict[str, dict | None]:
+    """Method name (registry name first) -> speculative config; None = plain decoding.
+
+    `heads`: the demo family's trained heads by method (`cluster.demo.heads`), benchmarked too.
+    """
     model = {"method": "draft_model", "model": draft_dir}
-    return {
+    learned = {}
+    tree = {"tree_top_k": 3, "tree_max_nodes": 12}
+    for method, folder in (heads or {}).items():
+        if method not in ("eagle3", "peagle"):
+            continue
+        head = {"method": method, "model": folder}
+        learned[f"{method}-chain"] = {**head, "num_speculative_tokens": 4}
+        learned[f"{method}-tree"] = {**head, "num_speculative_tokens": 5, **tree}
+    return learned | {
         "plain": None,
         "ngram": {
             "method": "ngram",
@@ -185,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads; 2 spin against each other on a shared 2-core box",
     )
     parser.add_argument("--name", default=None, help="report name (default: bench_drafting_<size>)")
+    parser.add_argument(
+        "--methods", default=None, help="comma-separated subset of the methods (plain is always run)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -207,7 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner.from_pretrained(family.target_dir, max_model_len=context, kv_cache_rows=context + 64)
     vocab = runner.model.vocab_size
     engines: dict[str, tuple[Engine, TimedProposer | None]] = {}
-    for method, config in method_configs(str(family.draft_dir)).items():
+    from cluster.demo.heads import demo_head_dir, head_methods
+
+    heads = {m: str(demo_head_dir(family, m)) for m in ("eagle3", "peagle") if m in head_methods()}
+    configs = method_configs(str(family.draft_dir), heads)
+    if args.methods:
+        wanted = {"plain", *args.methods.split(",")}
+        configs = {m: c for m, c in configs.items() if m in wanted}
+    for method, config in configs.items():
         source = TimedProposer(build_proposer(config, vocab_size=vocab)) if config else None
         engines[method] = (Engine(runner, source and InProcessDraftSource(source), eos_token_id=None), source)
 
@@ -252,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "batch": 1,
-        "configs": method_configs("<draft>"),
+        "configs": {m: c and {**c, "model": "<demo>"} for m, c in configs.items()},
         "wall_s": round(time.perf_counter() - started),
     }
     notes = (

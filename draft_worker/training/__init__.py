@@ -49,6 +49,7 @@ class TrainArgs:
     data_cache_dir: str | None = None  # default: $OUTRIDER_HOME/distill
     progress: bool = True
     checkpoint_every: int = 100  # steps between resumable checkpoints
+    stop_after: int | None = None  # run at most this many steps now, save, return (resume later)
 
 
 TrainerFn = Callable[["TrainArgs", "DistillData"], dict]

@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -127,8 +128,9 @@ def train_loop(
         history = meta.get("losses", [])
     warmup = max(1, args.steps // 20) if warmup is None else warmup
     interval = 0.5 if sys.stderr.isatty() else 15.0
+    end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
     bar = tqdm(
-        range(start, args.steps),
+        range(start, end),
         initial=start,
         total=args.steps,
         desc=desc,
@@ -137,6 +139,7 @@ def train_loop(
         mininterval=interval,
         dynamic_ncols=True,
     )
+    started = time.monotonic()
     module.train()
     use_autocast = autocast and args.device == "cpu"
     for step in bar:
@@ -152,7 +155,7 @@ def train_loop(
         history.append(float(loss.item()))
         recent = history[-10:]
         bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}", lr=f"{lr:.1e}", refresh=False)
-        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+        if (step + 1) % args.checkpoint_every == 0 or step + 1 == end:
             save_train_state(folder, module, optimizer, step + 1, {"losses": history})
     bar.close()
     module.eval()
@@ -164,7 +167,7 @@ def train_loop(
         "losses": history,
         "first_loss": sum(head) / len(head),
         "final_loss": sum(tail) / len(tail),
-        "seconds": round(bar.format_dict["elapsed"], 1),
+        "seconds": round(time.monotonic() - started, 1),
     }
 
 
