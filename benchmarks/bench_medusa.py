@@ -38,11 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.demo.heads import demo_head_dir
 
     heads = str(demo_head_dir(ensure_demo_family(args.size), "medusa"))
-    # bench_drafting builds its engines from `method_configs(draft_dir)`; its report lists the
-    # configs of "<draft>", which here names the heads folder instead.
-    bench_drafting.method_configs = lambda draft_dir: medusa_configs(
-        "<heads>" if draft_dir == "<draft>" else heads
-    )
+    # bench_drafting builds its engines from `method_configs(...)`: here, Medusa shapes only.
+    bench_drafting.method_configs = lambda *_args, **_kwargs: medusa_configs(heads)
     name = args.name or f"bench_medusa_{args.size}"
     return bench_drafting.main(["--size", args.size, "--name", name, *rest])
 
