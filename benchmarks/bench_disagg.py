@@ -6,13 +6,19 @@
 (a) Loopback round trip: a draft server in its own process answers every update with a fixed
     64-node tree with sparse q (top-8 rows), so the figure is transport + validation only;
     p50/p99 of submit -> collect, at batch 1 and 16.
-(b) Tokens/s of the step engine, greedy, `mid` prompts, at batch 1, 4 and 16: plain, the
-    draft_model proposer in-process (co-located), and the same proposer in a draft server
-    process (disaggregated). The speculation cache (draft_worker.spec_cache) serves ngram and
-    suffix only (draft_model cannot fork its KV state), so these draft_model rows run without
-    it and the "with cache" rows are absent; see the notes in the report.
+(b) Tokens/s of the step engine, greedy, `mid` prompts, at batch 1, 4 and 16, per method
+    (`--methods`, default ngram and draft_model): plain, the proposer in-process
+    (co-located: drafting is on the target's critical path), and the same proposer in a draft
+    server process (disaggregated), without and with the speculation cache
+    (draft_worker.spec_cache: the server pre-drafts round r+1 for the likeliest verify
+    outcomes while the target verifies round r; a hit answers at once). The server reports
+    its cache hits, misses and the drafting time the hits saved when it stops. A method that
+    cannot fork its state gets no cache; its "cache" rows say so instead of a figure.
 
-Both processes use one torch thread each, so on the 2-core machine they run side by side.
+Both processes use one torch thread each, so on the 2-core machine they run side by side:
+the real-world point of disaggregation (the drafter has hardware of its own). Each batch size
+runs plain, co-located and both disaggregated variants back to back, `--repeats` times in
+rotating order; medians are reported, speedups are ratios to plain within the same repeat.
 """
 
 from __future__ import annotations
@@ -61,10 +67,14 @@ else:
     proposer = build_server_proposer(args["method"], args["options"], Path(args["draft_dir"]),
                                      Path(args["tokenizer_dir"]))
 identity = DraftIdentity(args["method"], proposer.vocab_size, tokenizer_fingerprint(args["tokenizer_dir"]))
-server = serve(proposer, identity, address="127.0.0.1:0")
+from draft_worker.spec_cache import SpecCacheConfig
+server = serve(proposer, identity, address="127.0.0.1:0",
+               speculation_cache=SpecCacheConfig() if args.get("cache") else None)
 print(server.port, flush=True)
 sys.stdin.read()
 server.stop(2)
+stats = server.stats
+print(json.dumps({"cache_on": server.servicer.batcher.spec_cache is not None, **vars(stats)}), flush=True)
 """
 
 
@@ -80,9 +90,13 @@ def start_server(config: dict) -> tuple[subprocess.Popen, int]:
     return process, int(process.stdout.readline())
 
 
-def stop_server(process: subprocess.Popen) -> None:
+def stop_server(process: subprocess.Popen) -> dict:
+    """Stops the server process; returns the stats it printed (ServerStats + cache_on)."""
     process.stdin.close()
+    out = process.stdout.read()
     process.wait(30)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {}
 
 
 def round_trip(family, handshake, batch: int, iterations: int) -> dict:
@@ -143,6 +157,74 @@ def throughput(runner, prompts, source, batch: int, max_tokens: int) -> tuple[fl
     return tokens / elapsed, tau
 
 
+METHOD_OPTIONS = {
+    "ngram": {"num_speculative_tokens": 4},
+    "suffix": {"num_speculative_tokens": 6},
+    "draft_model": {"num_speculative_tokens": 4},
+}
+
+
+def compare_at_batch(runner, prompts, method, options, dirs, handshake, batch, args) -> list[dict]:
+    """plain / co-located / disaggregated (cache off, on) at one batch size, `args.repeats` times."""
+    from draft_worker.server_cli import build_server_proposer
+    from target_worker.draft_client import DraftClientConfig, RemoteDraftSource
+    from target_worker.draft_source import InProcessDraftSource
+
+    servers, remotes = {}, {}
+    for cache in (False, True):
+        servers[cache], port = start_server({"method": method, "options": options, "cache": cache, **dirs})
+        remotes[cache] = RemoteDraftSource(
+            [f"127.0.0.1:{port}"], handshake, DraftClientConfig(round_deadline_s=5.0)
+        )
+        assert remotes[cache].wait_ready(60)
+    proposer = build_server_proposer(method, options, Path(dirs["draft_dir"]), Path(dirs["tokenizer_dir"]))
+    local = InProcessDraftSource(proposer)
+    sources = {
+        "plain": None,
+        "co-located": local,
+        "disaggregated": remotes[False],
+        "disaggregated+cache": remotes[True],
+    }
+    samples: dict[str, list[tuple[float, float | None]]] = {mode: [] for mode in sources}
+    speedups: dict[str, list[float]] = {mode: [] for mode in sources}
+    order = list(sources)
+    try:
+        for repeat in range(args.repeats):
+            shift = repeat % len(order)
+            this = {}
+            for mode in order[shift:] + order[:shift]:
+                this[mode] = throughput(runner, prompts, sources[mode], batch, args.max_tokens)
+                samples[mode].append(this[mode])
+            for mode in sources:
+                speedups[mode].append(this[mode][0] / this["plain"][0])
+    finally:
+        for remote in remotes.values():
+            remote.close()
+        stats = {cache: stop_server(server) for cache, server in servers.items()}
+    rows = []
+    for mode in sources:
+        cache = mode == "disaggregated+cache"
+        row = {
+            "measure": "tokens_per_s",
+            "method": method,
+            "batch": batch,
+            "mode": mode,
+            "tokens_per_s": statistics.median(t for t, _ in samples[mode]),
+            "speedup_vs_plain": statistics.median(speedups[mode]),
+            "acceptance_length": samples[mode][0][1],
+        }
+        if mode.startswith("disaggregated"):
+            server = stats[cache]
+            lookups = server.get("spec_cache_hits", 0) + server.get("spec_cache_misses", 0)
+            row["cache_on"] = server.get("cache_on")
+            row["cache_hit_rate"] = server["spec_cache_hits"] / lookups if lookups else None
+            row["cache_saved_ms"] = 1e3 * server.get("spec_cache_saved_s", 0.0)
+            row["server_drafting_ms"] = 1e3 * server.get("drafting_s", 0.0)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="small", help="demo family (default: %(default)s)")
@@ -150,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--iterations", type=int, default=300, help="round trips per batch size")
     parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--methods", default="ngram,draft_model", help="comma-separated proposers")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -158,10 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.prompts import load_prompts
     from benchmarks.report import write_report
     from cluster.demo.family import ensure_demo_family
-    from draft_worker.server_cli import build_server_proposer
     from proto import Limits
-    from target_worker.draft_client import DraftClientConfig, RemoteDraftSource, target_handshake
-    from target_worker.draft_source import InProcessDraftSource
+    from target_worker.draft_client import target_handshake
     from target_worker.runner import ModelRunner
 
     family = ensure_demo_family(args.size)
@@ -182,43 +264,19 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner.from_pretrained(
         family.target_dir, max_model_len=1024, kv_cache_rows=max(batches) * 512
     )
-    options = {"num_speculative_tokens": 6, "tree_top_k": 4, "tree_max_nodes": 16}
     dirs = {"draft_dir": str(family.draft_dir), "tokenizer_dir": str(family.tokenizer_dir)}
-    process, port = start_server({"method": "draft_model", "options": options, **dirs})
-    remote = RemoteDraftSource([f"127.0.0.1:{port}"], handshake, DraftClientConfig(round_deadline_s=5.0))
-    try:
-        assert remote.wait_ready(60)
+    for method in args.methods.split(","):
+        options = dict(METHOD_OPTIONS[method])
         for batch in batches:
-            chosen = prompts[:batch]
-            local = InProcessDraftSource(
-                build_server_proposer("draft_model", options, family.draft_dir, family.tokenizer_dir)
-            )
-            plain, _ = throughput(runner, chosen, None, batch, args.max_tokens)
-            for mode, source in (("co-located", local), ("disaggregated", remote)):
-                tokens_per_s, tau = throughput(runner, chosen, source, batch, args.max_tokens)
-                rows.append(
-                    {
-                        "measure": "tokens_per_s",
-                        "batch": batch,
-                        "mode": mode,
-                        "spec_cache": False,
-                        "tokens_per_s": tokens_per_s,
-                        "plain_tokens_per_s": plain,
-                        "speedup_vs_plain": tokens_per_s / plain,
-                        "acceptance_length": tau,
-                    }
-                )
-        rows.append({"measure": "client_counters", **vars(remote.counters)})
-    finally:
-        remote.close()
-        stop_server(process)
+            rows += compare_at_batch(runner, prompts[:batch], method, options, dirs, handshake, batch, args)
     notes = (
         f"Demo family `{args.size}`, greedy, `mid` prompts of {args.prompt_tokens} tokens, {args.max_tokens} new "
-        "tokens each; draft_model, trees of <= 16 nodes (depth 6, top-4). One torch thread per process. "
-        "The speculation cache (pre-drafting round r+1 while the target verifies round r) exists for ngram "
-        "and suffix only; draft_model cannot fork its KV state, so these rows run without it: "
-        "the engine waits for the drafter at the start of every round, so disaggregated = "
-        "co-located + one loopback round trip, and the overlap the issue targets is still to come."
+        f"tokens each, {args.repeats} repeats in rotating order (medians). One torch thread per process. "
+        "co-located = the proposer in the engine's process, drafting on the critical path; "
+        "disaggregated = a draft server process over loopback gRPC, without and with the speculation "
+        "cache (`cache_hit_rate` = hits / lookups on the server; `cache_saved_ms` = drafting time "
+        "the hits did not spend). Method options: "
+        + "; ".join(f"{m}: {METHOD_OPTIONS[m]}" for m in args.methods.split(","))
     )
     json_path, _ = write_report(
         f"disagg_{args.size}",
