@@ -19,14 +19,14 @@ from ray import serve
 from cluster.config import OutriderArgs, load_args
 from cluster.draft import DraftWorker
 from cluster.ingress import OpenAIIngress
-from cluster.placement import draft_options, local_pools, target_options
+from cluster.placement import cluster_pools, draft_options, target_options
 from cluster.served_model import resolve_model
 from cluster.target import TargetWorker, speculative_for
 
 
 def build_app(args: OutriderArgs | dict[str, Any] | None = None) -> serve.Application:
     args = load_args(args)
-    model, pools = resolve_model(args, progress=True), local_pools(args)
+    model, pools = resolve_model(args, progress=True), cluster_pools(args)
     spec = speculative_for(args, model)
     if spec is not None and args.draft_pool.mode == "deployment":
         # Bound only so Serve deploys it: targets reach drafters over gRPC, found by registry.

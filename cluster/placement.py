@@ -25,7 +25,15 @@ import math
 from typing import Any
 
 from cluster.config import AutoscalingArgs, OutriderArgs
-from cluster.gpu_pools import PoolAssignment, classify, gpu_inventory, placement_resources
+from cluster.gpu_pools import (
+    DRAFT_RESOURCE,
+    TARGET_RESOURCE,
+    GpuInfo,
+    PoolAssignment,
+    classify,
+    gpu_inventory,
+    placement_resources,
+)
 
 DRAFT_TARGET_BUSY = 0.6
 
@@ -88,6 +96,23 @@ def draft_options(args: OutriderArgs, pools: PoolAssignment) -> dict[str, Any]:
     }
 
 
-def local_pools(args: OutriderArgs) -> PoolAssignment:
-    """This node's pools; on a cluster, each node's come from its `ray start --resources`."""
+def cluster_pools(args: OutriderArgs, declared: dict[str, float] | None = None) -> PoolAssignment:
+    """The GPU pools the Ray cluster declares, else this node's own (NVML).
+
+    On a cluster (KubeRay) the app is built on whichever node Serve picks, often a head
+    without GPUs; what counts is what the worker nodes declared with `ray start --resources`
+    (the `outrider_*_gpu` resources), summed in `ray.cluster_resources()`. Only when no node
+    declares a pool (one machine, `outrider serve`) is this node's NVML inventory classified.
+    """
+    if declared is None:
+        import ray
+
+        declared = ray.cluster_resources() if ray.is_initialized() else {}
+    counts = {name: int(declared.get(name, 0)) for name in (DRAFT_RESOURCE, TARGET_RESOURCE)}
+    if any(counts.values()):
+
+        def pool(name: str) -> tuple[GpuInfo, ...]:
+            return tuple(GpuInfo(i, "declared by the cluster", 0.0) for i in range(counts[name]))
+
+        return PoolAssignment(draft=pool(DRAFT_RESOURCE), target=pool(TARGET_RESOURCE))
     return classify(gpu_inventory(), args.gpu_pools)

@@ -53,3 +53,18 @@ def test_no_gpus_falls_back_to_cpu_placement():
 def test_real_probe_on_this_machine_does_not_raise():
     # CPU machines have no NVML driver: the inventory is empty, never an exception.
     assert isinstance(gpu_inventory(), list)
+
+
+def test_the_cluster_declared_pools_win_over_the_building_node(monkeypatch):
+    """Under KubeRay the app may be built on a GPU-less head: pools come from what the worker
+    groups declared (`rayStartParams.resources`), not from the building node's NVML."""
+    import cluster.placement as placement
+    from cluster.config import OutriderArgs
+    from cluster.gpu_pools import DRAFT_RESOURCE, TARGET_RESOURCE
+
+    monkeypatch.setattr(placement, "gpu_inventory", lambda: [])  # the head sees no GPU
+    args = OutriderArgs()
+    pools = placement.cluster_pools(args, declared={"CPU": 8.0, TARGET_RESOURCE: 16.0, DRAFT_RESOURCE: 4.0})
+    assert (len(pools.target), len(pools.draft)) == (16, 4)
+    assert placement.target_options(args, pools)["ray_actor_options"]["resources"] == {TARGET_RESOURCE: 1.0}
+    assert placement.cluster_pools(args, declared={"CPU": 8.0}).ray_resources() == {}  # CPU fallback
