@@ -170,6 +170,31 @@ def _add_train_draft_parser(commands: argparse._SubParsersAction) -> None:
     train.set_defaults(func=_cmd_train_draft)
 
 
+def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    """`outrider bench`: the options and the run live in the repository's `benchmarks/` (not installed)."""
+    repo = Path(__file__).resolve().parent.parent
+    if (repo / "benchmarks" / "bench.py").is_file() and str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))  # an editable install from a checkout: benchmarks/ sits beside cluster/
+    try:
+        from benchmarks.bench import add_bench_arguments, cli_main
+    except ImportError:
+        return  # installed without the repository: no benchmarks to run
+    bench = commands.add_parser(
+        "bench",
+        help="benchmark every drafting method against plain decoding and transformers (JSON, Markdown, PNG)",
+        description="Plain decoding, every registered drafting method (chain and tree shapes) and the "
+        "transformers peers (generate() plain, assisted generation with the same draft LM, prompt lookup) "
+        "on held-out prompts (mid-file code, file starts) at T=0 and T=1, interleaved per prompt in a "
+        "shuffled order and repeated, so speedups are ratios within one run; then a tree-size sweep and "
+        "the Ray Serve app over HTTP at several concurrencies (speculation off, co-located, disaggregated). "
+        "Writes a JSON report (schema: --schema, benchmarks/README.md), a Markdown report and PNG plots "
+        "beside it. --quick: the tiny family, every path, under 3 minutes; the default full run on the "
+        "small family takes about 25 minutes on 2 CPU cores.",
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cli_main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="outrider",
@@ -253,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.set_defaults(func=_cmd_check_install)
     add_serve_parser(commands)
+    _add_bench_parser(commands)
     return parser
 
 

@@ -1,0 +1,342 @@
+"""The measurements behind `outrider bench` (see `benchmarks.bench`): sweep, rows, report dict.
+
+One sweep, for each prompt set, temperature, repeat and prompt:
+
+    for name in shuffled(methods + peers):       # a new order for every prompt
+        run = generate(name, prompt, seed)       # seeded: every name draws from the same seed
+    plain's run of this prompt is every run's pair (speedup_paired, token identity at T = 0)
+
+Rows are `bench_drafting.row_for`'s (tokens/s median over prompts, speedup vs plain, tau,
+per-position acceptance, looping share, tau on non-looping outputs) plus the counts noise
+cannot move and the comparison with the peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench import PRIMARY_SET, KeepTokens, Models, method_table, resolve_models
+from benchmarks.bench_drafting import Cell, Run, TimedProposer, generate_one, repeated_4gram_share, row_for
+
+Generate = Callable[[list[int], object], tuple[Run, list[int]]]
+
+
+def engine_runs(
+    runner, table: dict[str, dict | None], vocab: int, skipped: list[dict]
+) -> dict[str, Generate]:
+    """One Engine per config on the shared runner; a config that fails to build is skipped, with why."""
+    from draft_worker import build_proposer
+    from target_worker.draft_source import InProcessDraftSource
+    from target_worker.engine import Engine
+
+    out: dict[str, Generate] = {}
+    for label, config in table.items():
+        try:
+            source = TimedProposer(build_proposer(config, vocab_size=vocab)) if config else None
+        except Exception as e:  # a head that does not fit this target, a bad checkpoint: say so
+            skipped.append({"method": label, "reason": f"proposer failed to build: {e}"})
+            continue
+        engine = KeepTokens(Engine(runner, source and InProcessDraftSource(source), eos_token_id=None))
+
+        def run(prompt, params, engine=engine, source=source):
+            return generate_one(engine, source, prompt, params), engine.tokens
+
+        out[label] = run
+    return out
+
+
+def peer_runs(peers) -> dict[str, Generate]:
+    from kernels import SpecDecodeCounters
+
+    def make(name: str) -> Generate:
+        def run(prompt, params):
+            r = peers.generate(name, prompt, params.max_tokens, params.temperature, params.seed)
+            n, rounds = len(r.tokens), r.target_forwards - 1
+            return Run(
+                tokens_per_s=n / r.seconds,
+                num_tokens=n,
+                num_steps=rounds,
+                spec=SpecDecodeCounters(),
+                draft_s=r.draft_s,
+                draft_rounds=rounds if r.draft_s else 0,
+                looping=repeated_4gram_share(r.tokens) > 0.5,
+                prompt=-1,
+                repeat=-1,
+            ), r.tokens
+
+        return run
+
+    return {name: make(name) for name in peers.names()}
+
+
+def sweep(
+    runs: dict[str, Generate],
+    prompts_by_set: dict,
+    temperatures: list[float],
+    repeats: int,
+    max_tokens: int,
+    rng: random.Random,
+    log,
+) -> tuple[dict, dict]:
+    """Cells by (name, set, T), and at T = 0 whether each run's tokens equal plain's."""
+    from target_worker.sequence import RequestParams
+
+    cells: dict[tuple[str, str, float], Cell] = {}
+    identical: dict[tuple[str, str, float], list[bool]] = {}
+    started = time.perf_counter()
+    for prompt_set, prompts in prompts_by_set.items():
+        for temperature in temperatures:
+            for repeat in range(repeats):
+                for i, prompt in enumerate(prompts):
+                    params = RequestParams(
+                        max_tokens=max_tokens,
+                        temperature=temperature,
+                        seed=1000 * repeat + i,
+                        ignore_eos=True,
+                    )
+                    order = list(runs)
+                    rng.shuffle(order)
+                    got = {name: runs[name](prompt.token_ids, params) for name in order}
+                    plain, plain_tokens = got["plain"]
+                    for name, (run, tokens) in got.items():
+                        run.prompt, run.repeat, run.plain_tokens_per_s = i, repeat, plain.tokens_per_s
+                        key = (name, prompt_set, temperature)
+                        cells.setdefault(key, Cell()).runs.append(run)
+                        if temperature == 0:
+                            identical.setdefault(key, []).append(tokens == plain_tokens)
+                    log(
+                        f"[{time.perf_counter() - started:5.0f}s] {prompt_set} T={temperature:g} repeat {repeat} "
+                        f"prompt {i}: " + ", ".join(f"{n} {got[n][0].tokens_per_s:.0f}" for n in runs)
+                    )
+    return cells, identical
+
+
+def rows(cells: dict, identical: dict, names: list[str]) -> list[dict]:
+    out = []
+    for (name, prompt_set, temperature), cell in cells.items():
+        row = row_for(name, prompt_set, temperature, cell, cells[("plain", prompt_set, temperature)])
+        runs = cell.runs
+        seconds = sum(r.num_tokens / r.tokens_per_s for r in runs)
+        same = identical.get((name, prompt_set, temperature))
+        row |= {
+            "target_forwards_per_token": sum(r.num_steps + 1 for r in runs) / sum(r.num_tokens for r in runs),
+            "drafter_time_share": sum(r.draft_s for r in runs) / seconds,
+            "greedy_identical": sum(same) / len(same) if same else None,
+        }
+        out.append(row)
+    out.sort(
+        key=lambda r: (
+            r["prompt_set"] != PRIMARY_SET,
+            r["prompt_set"],
+            r["temperature"],
+            names.index(r["method"]),
+        )
+    )
+    return out
+
+
+def compare(results: list[dict], peers: list[dict]) -> None:
+    """Each row's speed against the peers of the same set and temperature (ratios of medians)."""
+    by = {(p["name"], p["prompt_set"], p["temperature"]): p["tokens_per_s"] for p in peers}
+    for row in results + peers:
+        key = (row["prompt_set"], row["temperature"])
+        for peer, field in (("hf-plain", "speedup_vs_hf_plain"), ("hf-assisted", "speedup_vs_hf_assisted")):
+            theirs = by.get((peer, *key))
+            row[field] = row["tokens_per_s"] / theirs if theirs else None
+
+
+def headline(results: list[dict], temperatures: list[float], prompt_set: str) -> list[dict]:
+    lines = []
+    for temperature in temperatures:
+        candidates = [
+            r
+            for r in results
+            if r["prompt_set"] == prompt_set and r["temperature"] == temperature and r["method"] != "plain"
+        ]
+        if not candidates:
+            continue
+        best = max(candidates, key=lambda r: r["speedup_vs_plain"])
+        lines.append(
+            {
+                "prompt_set": prompt_set,
+                "temperature": temperature,
+                "best_method": best["method"],
+                "speedup_vs_plain": best["speedup_vs_plain"],
+                "speedup_vs_hf_plain": best["speedup_vs_hf_plain"],
+                "speedup_vs_hf_assisted": best["speedup_vs_hf_assisted"],
+            }
+        )
+    return lines
+
+
+def tree_table(
+    results: list[dict], table: dict, sizes: list[int], prompt_set: str
+) -> tuple[str | None, dict]:
+    """The best tree-shaped method at T = 0 on `prompt_set`, as a chain and at each tree budget."""
+    trees = [
+        r
+        for r in results
+        if r["prompt_set"] == prompt_set and r["temperature"] == 0 and "-tree" in r["method"]
+    ]
+    if not trees or not sizes:
+        return None, {}
+    best = max(trees, key=lambda r: r["speedup_vs_plain"])
+    base = table[best["method"]]
+    out: dict = {"plain": None}
+    chain = f"{base['method']}-chain"
+    if chain in table:
+        out[chain] = table[chain]
+    for n in sizes:
+        out[f"{base['method']}-tree-{n}"] = {**base, "tree_max_nodes": n}
+    return best["method"], out
+
+
+def tree_nodes(config: dict | None) -> int:
+    """Nodes a round verifies at most: the root plus the chain, or the tree budget."""
+    if config is None:
+        return 1
+    return config.get("tree_max_nodes") or config.get("num_speculative_tokens", 1) + 1
+
+
+def shown(config: dict | None) -> dict | None:
+    """A config for the report: model folders by name only (paths differ between machines)."""
+    if config is None:
+        return None
+    return {k: Path(v).name if k == "model" else v for k, v in config.items()}
+
+
+def run_bench(args: argparse.Namespace, log=print) -> dict:
+    from transformers import AutoTokenizer
+
+    from benchmarks.prompts import load_prompts
+    from benchmarks.report import environment
+    from draft_worker import known_methods
+    from target_worker.runner import ModelRunner
+
+    torch.set_num_threads(args.threads)
+    started, phases = time.perf_counter(), {}
+    methods = known_methods()
+    models: Models = resolve_models(args, methods, log)
+    phases["heads_s"] = time.perf_counter() - started
+    table = method_table(models, methods)
+    if args.methods:
+        wanted = {"plain", *args.methods.split(",")}
+        table = {k: v for k, v in table.items() if k in wanted}
+    tokenizer = AutoTokenizer.from_pretrained(models.tokenizer_dir)
+    context = args.prompt_tokens + args.max_tokens
+    runner = ModelRunner.from_pretrained(models.target_dir, max_model_len=context, kv_cache_rows=context + 64)
+    vocab = runner.model.vocab_size
+    skipped = list(models.skipped)
+    runs = engine_runs(runner, table, vocab, skipped)
+    names = list(runs)
+    peers = None
+    if not args.no_peers:
+        from benchmarks.bench_peers import HFPeers
+
+        peers = HFPeers(models.target_dir, models.draft_dir, tokenizer.pad_token_id or tokenizer.eos_token_id)
+        runs |= peer_runs(peers)
+    sets = args.sets.split(",")
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    prompts_by_set = {
+        s: load_prompts(s, tokenizer, count=args.prompts, prompt_tokens=args.prompt_tokens) for s in sets
+    }
+    primary = PRIMARY_SET if PRIMARY_SET in sets else sets[0]
+    from target_worker.sequence import RequestParams
+
+    warm = RequestParams(max_tokens=4, ignore_eos=True)
+    for run in runs.values():  # lazy initialisation out of the timed runs
+        run(prompts_by_set[primary][0].token_ids, warm)
+    rng = random.Random(args.seed)
+    t0 = time.perf_counter()
+    cells, identical = sweep(runs, prompts_by_set, temperatures, args.repeats, args.max_tokens, rng, log)
+    phases["methods_s"] = time.perf_counter() - t0
+    all_rows = rows(cells, identical, list(runs))
+    results = [r for r in all_rows if r["method"] in names]
+    peer_rows = [{"name": r.pop("method"), **r} for r in all_rows if r["method"] not in names]
+    compare(results, peer_rows)
+    for r in results:
+        r["config"] = shown(table[r["method"]])
+    for p in peer_rows:
+        p["config"] = peers.config(p["name"])
+
+    t0 = time.perf_counter()
+    tree_method, tree_configs = tree_table(
+        results, table, [int(n) for n in args.tree_sizes.split(",") if n], primary
+    )
+    tree_rows = []
+    if tree_configs:
+        tree_runs = engine_runs(runner, tree_configs, vocab, skipped)
+        for run in tree_runs.values():
+            run(prompts_by_set[primary][0].token_ids, warm)
+        cells, identical = sweep(
+            tree_runs, {primary: prompts_by_set[primary]}, [0.0], args.repeats, args.max_tokens, rng, log
+        )
+        tree_rows = rows(cells, identical, list(tree_runs))
+        for r in tree_rows:
+            r["tree_nodes"], r["config"] = (
+                tree_nodes(tree_configs[r["method"]]),
+                shown(tree_configs[r["method"]]),
+            )
+    phases["tree_sweep_s"] = time.perf_counter() - t0
+
+    lines = headline(results, temperatures, primary)
+    serving, serve_method = [], None
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    greedy_best = next((line["best_method"] for line in lines if line["temperature"] == 0), None)
+    if levels and greedy_best:
+        from benchmarks.bench_serving import bench_serving
+
+        t0 = time.perf_counter()
+        serve_method = greedy_best
+        serving = bench_serving(
+            models.serve_model,
+            models.serve_name,
+            table[serve_method],
+            [p.token_ids for p in prompts_by_set[primary]],
+            concurrencies=levels,
+            max_tokens=args.max_tokens,
+            max_model_len=context,
+            repeats=args.serve_repeats,
+            requests_per_level=args.serve_requests,
+            seed=args.seed,
+            log=log,
+        )
+        phases["serving_s"] = time.perf_counter() - t0
+    phases = {k: round(v, 1) for k, v in phases.items()}
+    meta = {
+        "command": "outrider bench" + (" --quick" if args.quick else ""),
+        "models": models.label,
+        "known_methods": methods,
+        "primary_prompt_set": primary,
+        "prompt_sets": sets,
+        "temperatures": temperatures,
+        "prompts_per_set": args.prompts,
+        "repeats": args.repeats,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "batch": 1,
+        "threads": args.threads,
+        "seed": args.seed,
+        "tree_sweep_method": tree_method,
+        "serving_method": serve_method,
+        "serving_config": shown(table.get(serve_method)) if serve_method else None,
+        "phases_s": phases,
+        "duration_s": round(time.perf_counter() - started, 1),
+    }
+    return {
+        "schema_version": 1,
+        "machine": environment(),
+        "meta": meta,
+        "headline": lines,
+        "results": results,
+        "peers": peer_rows,
+        "skipped": skipped,
+        "tree_sweep": tree_rows,
+        "serving": serving,
+    }
