@@ -28,6 +28,20 @@ bonus token) is prefilled at start + L, overwriting whatever drafted rows sit th
 A sequence that does not fit (KV cache full, or past the draft's `max_model_len`) gets
 root-only trees, so the target decodes it without speculation: drafting costs speed, never
 a request. It is admitted again later if the cache frees up.
+
+Forks (the speculation cache, `draft_worker.spec_cache`) share the sequence's extent and
+take no rows of their own. Everything a fork writes lies past the committed rows, where the
+real state keeps nothing (its next prefill starts at start + L and overwrites them):
+
+    | committed context ... root | fork's delta | fork's tree nodes |      one fork at a time
+    ^ start  (shared, read-only)  ^ start + L
+
+Two forks of one sequence would write the same rows, so `speculate` drafts them one after
+another, and after drafting each fork gives its rows up again: its `cached` falls back to
+L, so the delta's K/V is prefilled once more if the fork is adopted (`adopt` hands the
+extent over). A fork thus costs no KV rows and no copy; the price is that one sequence's
+outcomes are drafted serially (not batched) and a hit's next prefill is a delta longer.
+A fork never frees the extent it borrows (`DraftModelState.lender`).
 """
 
 from __future__ import annotations
@@ -78,6 +92,8 @@ class DraftModelState:
     tokens: list[int] = field(default_factory=list)  # committed tokens; the last is the next root
     start: int | None = None  # first row of the KV extent; None = not admitted
     cached: int = 0  # tokens[:cached] have their K/V in the extent
+    # A fork: the real state whose extent it borrows (never frees); None: the extent is its own.
+    lender: DraftModelState | None = field(default=None, repr=False, compare=False)
 
 
 def draft_vocabulary(path: str | Path) -> tuple[int, str | None]:
@@ -95,7 +111,7 @@ def draft_vocabulary(path: str | Path) -> tuple[int, str | None]:
 @register_proposer("draft_model")
 class DraftModelProposer(Proposer[DraftModelState]):
     Options = DraftModelOptions
-    can_fork = False  # see fork_state
+    retire_shares_state = False  # retiring frees only the sequence's own extent
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -149,14 +165,61 @@ class DraftModelProposer(Proposer[DraftModelState]):
         # Only bookkeeping: the K/V of the new tokens is computed in `draft`, batched.
         state.tokens.extend(update.new_tokens.tolist())
 
-    def fork_state(self, state: DraftModelState) -> None:
-        """No speculation cache: the state owns a KV extent, which a copy would share and corrupt."""
-        return None
+    # ---- speculation: forks borrow the extent (module docstring) ------------------------------
+
+    def fork_state(self, state: DraftModelState) -> DraftModelState | None:
+        """A fork over the state's committed rows; None when the state holds no extent."""
+        if state.start is None or state.lender is not None:
+            return None
+        return DraftModelState(
+            state.seq_id,
+            _clone(state.generator),
+            list(state.tokens),
+            start=state.start,
+            cached=state.cached,
+            lender=state,
+        )
+
+    def speculate(
+        self, seq_id: int, updates: Sequence[SequenceUpdate]
+    ) -> list[tuple[CandidateTree, DraftModelState]] | None:
+        """As `Proposer.speculate`, one fork at a time: forks of a sequence write the same rows."""
+        base = self._states.get(seq_id)
+        if base is None or not updates:
+            return None
+        out = []
+        for update in updates:
+            fork = self.fork_state(base)
+            if fork is None:
+                return None
+            self.extend(fork, update)
+            (tree,) = self.draft([update], [fork])
+            fork.cached = min(fork.cached, base.cached)  # the rows past L are the next fork's
+            out.append((tree, fork))
+        return out
+
+    def adopt(self, seq_id: int, state: DraftModelState) -> None:
+        """The fork takes over the extent it borrowed, and the replaced state's rows are freed."""
+        old = self._states.get(seq_id)
+        if state.lender is not None:
+            if state.lender is old and old.start == state.start:
+                old.start = None  # the extent changes hands: nothing to free, nothing to copy
+            else:  # its lender is gone (cannot happen via spec_cache): prefill it anew
+                state.start, state.cached = None, 0
+            state.lender = None
+        if old is not None and old is not state:
+            self.retire(old)
+        super().adopt(seq_id, state)
+
+    def release_state(self, state: DraftModelState) -> None:
+        """A discarded fork holds no rows; it only becomes inert (it never drafts again)."""
+        if state.lender is not None:
+            state.start = None
 
     def retire(self, state: DraftModelState) -> None:
-        if state.start is not None:
+        if state.start is not None and state.lender is None:
             self.runner.cache.free(state.seq_id)
-            state.start = None
+        state.start = None
 
     def draft(
         self, updates: Sequence[SequenceUpdate], states: Sequence[DraftModelState]
@@ -187,9 +250,12 @@ class DraftModelProposer(Proposer[DraftModelState]):
     def _admit(self, state: DraftModelState) -> bool:
         """Whether the sequence drafts this round: it fits the draft's context and has an extent."""
         if len(state.tokens) > self.max_model_len:
-            self.retire(state)
+            if state.lender is None:  # a fork leaves the extent to its lender
+                self.retire(state)
             return False
         if state.start is None:
+            if state.lender is not None:  # a released fork
+                return False
             try:
                 state.start = self.runner.cache.allocate(state.seq_id, self.extent_rows)
             except CacheFullError:
@@ -248,6 +314,15 @@ class DraftModelProposer(Proposer[DraftModelState]):
             else root_only_tree(u)
             for u, d, p in zip(updates, drafts, probs, strict=True)
         ]
+
+
+def _clone(generator: torch.Generator | None) -> torch.Generator | None:
+    """An independent generator in the same state: a fork draws what the state would have."""
+    if generator is None:
+        return None
+    copy = torch.Generator(generator.device)
+    copy.set_state(generator.get_state())
+    return copy
 
 
 def chain_tree(

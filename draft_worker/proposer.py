@@ -52,6 +52,9 @@ class Proposer(abc.ABC, Generic[StateT]):
     Options: ClassVar[type] = NoOptions  # the method's own config keys, as dataclass fields
     default_num_speculative_tokens: ClassVar[int | None] = None  # None: the key is required
     can_fork: ClassVar[bool] = True  # False: `fork_state` always returns None (no speculation cache)
+    # Whether `retire` changes what other sequences draft from (suffix's shared trie), which
+    # makes every pre-drafted tree stale (spec_cache); None = assume so iff `retire` is overridden.
+    retire_shares_state: ClassVar[bool | None] = None
 
     def __init__(self, config: SpeculativeConfig, *, vocab_size: int, device: torch.device | str = "cpu"):
         self.config = config
@@ -115,14 +118,25 @@ class Proposer(abc.ABC, Generic[StateT]):
         for update in updates:
             fork = self.fork_state(base)
             if fork is None:
+                for made in forks:
+                    self.release_state(made)
                 return None
             self.extend(fork, update)
             forks.append(fork)
         return list(zip(self.draft(updates, forks), forks, strict=True))
 
     def adopt(self, seq_id: int, state: StateT) -> None:
-        """Install a state `speculate` returned as the sequence's real state."""
+        """Install a state `speculate` returned as the sequence's real state.
+
+        A method whose states hold device memory frees the replaced state's here.
+        """
         self._states[seq_id] = state
+
+    def release_state(self, state: StateT) -> None:  # noqa: B027 - forks of host-side states hold nothing
+        """A state `speculate` returned will never be adopted: free what it holds.
+
+        The speculation cache calls this once for every fork it discards; the default does nothing.
+        """
 
     def budget(self, update: SequenceUpdate) -> TreeBudget:
         """This round's budget, never past the tree shape this drafter was configured for."""

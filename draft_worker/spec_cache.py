@@ -20,15 +20,19 @@ would have built, so the tree is exactly the one `propose` would have drafted.
 
 Speculation runs on the drafting thread only when no real update is pending, one sequence
 at a time, so it never delays a real round by more than one sequence's speculation. A
-proposer whose `fork_state` returns None (draft_model: its KV extent cannot be copied
-cheaply) or that needs target features (unknown in advance) is never speculated for. When a
-batch retires a sequence and the proposer keeps cross-sequence state in `retire` (suffix's
-shared trie), every cached entry is dropped: its tree was drafted before that state changed.
+proposer that cannot fork (`can_fork` False) or that needs target features (eagle3,
+medusa, mtp: the delta's features exist only once the target has verified it) is never
+speculated for. Every fork the cache discards (a miss, the other outcomes of a hit, a
+forgotten sequence, the outcome probes) goes back through `Proposer.release_state`, so a
+proposer whose forks hold memory frees it. When a batch retires a sequence and the proposer
+keeps cross-sequence state in `retire` (suffix's shared trie; `retire_shares_state`), every
+cached entry is dropped: its tree was drafted before that state changed.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -112,19 +116,26 @@ class SpecCache:
         self.stats = SpecStats()
         self._entries: dict[int, dict[tuple[int, ...], _Entry]] = {}  # seq_id -> delta -> entry
         self._jobs: dict[int, tuple[SequenceUpdate, CandidateTree]] = {}  # seq_id -> round r's pair
-        self._retire_shares = type(proposer).retire is not Proposer.retire
+        shares = proposer.retire_shares_state
+        self._retire_shares = type(proposer).retire is not Proposer.retire if shares is None else shares
 
     # ---- the real rounds -------------------------------------------------------------------
 
     def lookup(self, update: SequenceUpdate) -> CandidateTree | None:
         """The cached tree for this real update (its state adopted), or None; counts hit or miss."""
         self._jobs.pop(update.seq_id, None)
-        entries = self._entries.pop(update.seq_id, None)
-        if update.finished or update.reset or update.features is not None:
-            return None
-        entry = entries.get(tuple(update.new_tokens.tolist())) if entries else None
-        if entry is None or entry.update.budget != update.budget or entry.update.sampling != update.sampling:
-            self.stats.misses += 1
+        entries = self._entries.pop(update.seq_id, {})
+        entry = None
+        if not (update.finished or update.reset or update.features is not None):
+            entry = entries.get(tuple(update.new_tokens.tolist()))
+            if entry is not None and (
+                entry.update.budget != update.budget or entry.update.sampling != update.sampling
+            ):
+                entry = None
+            if entry is None:
+                self.stats.misses += 1
+        self._release(e for e in entries.values() if e is not entry)
+        if entry is None:
             return None
         self.proposer.adopt(update.seq_id, entry.state)
         self.stats.hits += 1
@@ -138,12 +149,19 @@ class SpecCache:
 
     def forget(self, seq_id: int) -> None:
         self._jobs.pop(seq_id, None)
-        self._entries.pop(seq_id, None)
+        self._release(self._entries.pop(seq_id, {}).values())
 
     def retired(self) -> None:
         """A sequence was retired: entries drafted before a shared-state change are stale."""
         if self._retire_shares:
+            for entries in self._entries.values():
+                self._release(entries.values())
             self._entries.clear()
+
+    def _release(self, entries: Iterable[_Entry]) -> None:
+        """Entries that will never be adopted give back what their states hold."""
+        for entry in entries:
+            self.proposer.release_state(entry.state)
 
     # ---- idle time -------------------------------------------------------------------------
 
@@ -165,6 +183,7 @@ class SpecCache:
         self.stats.drafting_s += done - started
         if drafted:
             share = (done - drafting) / len(drafted)  # fork + extend + draft of one outcome
+            self._release(self._entries.pop(seq_id, {}).values())
             self._entries[seq_id] = {
                 o.delta: _Entry(u, t, s, share)
                 for o, u, (t, s) in zip(outcomes, updates, drafted, strict=True)
@@ -190,7 +209,8 @@ class SpecCache:
         leaves = sorted(leaves, reverse=True)[: self.config.max_outcomes]
         probes = [replace(update, round=update.round + 1, new_tokens=_tensor(p, update)) for _, p in leaves]
         drafted = self.proposer.speculate(update.seq_id, probes) if probes else None
-        for (prob, path), (probe_tree, _) in zip(leaves, drafted or [], strict=False):
+        for (prob, path), (probe_tree, probe_state) in zip(leaves, drafted or [], strict=False):
+            self.proposer.release_state(probe_state)  # only its root q row is wanted
             root_row = q_rows(probe_tree).get(0, {})
             for token, q in _top(root_row, set(), per_node):
                 candidates.append(Outcome(prob * q, path, token))

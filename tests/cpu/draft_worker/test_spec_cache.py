@@ -1,18 +1,23 @@
 """The speculation cache (draft_worker.spec_cache): a cached tree is exactly the tree propose()
-builds from the same extended state; a delta nobody guessed is a counted miss; and through a
-real server, client and engine, greedy output with the cache on equals speculation off while
-a repetitive prompt scores hits.
+builds from the same extended state (ngram, suffix, and draft_model, whose forks borrow the
+sequence's KV extent); a delta nobody guessed is a counted miss; every fork is adopted or
+released exactly once; and through a real server, client and engine, greedy output with the
+cache on equals speculation off while a repetitive prompt scores hits.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
 from draft_worker import build_proposer
+from draft_worker.ngram import NgramProposer
+from draft_worker.proposer import parse_speculative_config
 from draft_worker.server import DraftIdentity, serve
 from draft_worker.server_cli import build_server_proposer
-from draft_worker.spec_cache import SpecCache, SpecCacheConfig, supports_speculation
+from draft_worker.spec_cache import SpecCache, SpecCacheConfig
 from proto import Limits, SamplingParams, SequenceUpdate, TreeBudget
 from target_worker.draft_client import (
     DraftClientConfig,
@@ -49,12 +54,27 @@ def same_tree(a, b) -> bool:
     )
 
 
-@pytest.mark.parametrize("method", sorted(CONFIGS))
-def test_a_cached_tree_is_the_tree_propose_builds(method):
-    proposer = build_proposer(CONFIGS[method], vocab_size=VOCAB)
+@pytest.fixture
+def make_proposer(request):
+    """method -> a fresh proposer; draft_model drafts with the tiny family's draft LM."""
+
+    def make(method: str):
+        if method == "draft_model":
+            family = request.getfixturevalue("tiny_family")
+            config = {"method": method, "model": str(family.draft_dir), "num_speculative_tokens": 4}
+            return build_proposer(config, vocab_size=2048)
+        return build_proposer(CONFIGS[method], vocab_size=VOCAB)
+
+    return make
+
+
+@pytest.mark.parametrize("method", [*sorted(CONFIGS), "draft_model"])
+def test_a_cached_tree_is_the_tree_propose_builds(method, make_proposer):
+    proposer = make_proposer(method)
     cache = SpecCache(proposer, SpecCacheConfig(max_outcomes=4))
     first = make_update(1, 1, REPEAT, reset=True)
     (tree,) = proposer.propose([first])
+    rows = proposer.runner.cache.free_rows if method == "draft_model" else None
     cache.schedule(first, tree)
     assert cache.has_work()
     cache.run_one()
@@ -62,7 +82,7 @@ def test_a_cached_tree_is_the_tree_propose_builds(method):
     assert outcomes, "a repetitive context has a likely outcome"
     for outcome in outcomes:
         # A fresh proposer fed the same history and this delta drafts the same tree.
-        fresh = build_proposer(CONFIGS[method], vocab_size=VOCAB)
+        fresh = make_proposer(method)
         fresh.propose([first])
         (expected,) = fresh.propose([make_update(1, 2, list(outcome.delta))])
         entry = cache._entries[1][outcome.delta]
@@ -71,12 +91,14 @@ def test_a_cached_tree_is_the_tree_propose_builds(method):
     best = outcomes[0]
     hit = cache.lookup(make_update(1, 2, list(best.delta)))
     assert hit is not None and cache.stats.hits == 1 and cache.stats.saved_s > 0
-    reference = build_proposer(CONFIGS[method], vocab_size=VOCAB)
+    reference = make_proposer(method)
     reference.propose([first])
     (expected,) = reference.propose([make_update(1, 2, list(best.delta))])
     assert same_tree(hit, expected)
     later = make_update(1, 3, [int(hit.tokens[1]), 5])
     assert same_tree(proposer.propose([later])[0], reference.propose([later])[0])
+    if rows is not None:  # forks borrowed the extent: speculating took no KV rows
+        assert proposer.runner.cache.free_rows == rows
 
 
 def test_a_delta_nobody_guessed_is_a_miss():
@@ -93,14 +115,51 @@ def test_a_delta_nobody_guessed_is_a_miss():
     assert cache.stats.misses == 1
 
 
-def test_draft_model_does_not_speculate(tiny_family):
-    proposer = build_server_proposer(
-        "draft_model", {"num_speculative_tokens": 4}, tiny_family.draft_dir, tiny_family.tokenizer_dir
-    )
-    first = make_update(1, 1, [5, 6, 7], reset=True)
-    proposer.propose([first])
-    assert not supports_speculation(proposer)  # so the server never builds a cache for it
-    assert proposer.speculate(1, [make_update(1, 2, [8, 9])]) is None  # and forking is refused
+class CountingNgram(NgramProposer):
+    """ngram, recording what becomes of every fork it makes (held, so ids stay unique)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.forks, self.adopted, self.released = [], [], []
+
+    def fork_state(self, state):
+        fork = super().fork_state(state)
+        self.forks.append(fork)
+        return fork
+
+    def adopt(self, seq_id, state) -> None:
+        self.adopted.append(state)
+        super().adopt(seq_id, state)
+
+    def release_state(self, state) -> None:
+        self.released.append(state)
+
+
+def test_every_fork_is_adopted_or_released_exactly_once():
+    """Misses, the other outcomes of a hit, outcome probes, resets and forgotten sequences all
+    hand their forks to `release_state`, so a proposer whose forks hold memory never leaks."""
+    proposer = CountingNgram(parse_speculative_config(CONFIGS["ngram"]), vocab_size=VOCAB)
+    cache = SpecCache(proposer, SpecCacheConfig(max_outcomes=3))
+    gen = torch.Generator().manual_seed(0)
+    updates = {s: make_update(s, 0, REPEAT, reset=True) for s in range(3)}
+    trees = dict(zip(updates, proposer.propose(list(updates.values())), strict=True))
+    for round in range(1, 30):
+        for seq, update in updates.items():
+            cache.schedule(update, trees[seq])
+        while cache.has_work():
+            cache.run_one()
+        for seq in updates:
+            outcomes = cache.outcomes(updates[seq], trees[seq]) if seq != 2 else []
+            guess = round % 3 != 0 and outcomes
+            delta = list(outcomes[0].delta) if guess else torch.randint(VOCAB, (2,), generator=gen).tolist()
+            updates[seq] = make_update(seq, round, delta, reset=round % 7 == 0 and seq == 1)
+            hit = cache.lookup(updates[seq])
+            trees[seq] = hit if hit is not None else proposer.propose([updates[seq]])[0]
+    for seq in updates:
+        cache.forget(seq)
+    assert cache.stats.hits > 5 and cache.stats.misses > 5
+    fates = sorted(map(id, proposer.adopted + proposer.released))
+    assert len(proposer.forks) > 100 and fates == sorted(map(id, proposer.forks))
 
 
 # ---- through a real server, client and engine ----------------------------------------------
@@ -108,6 +167,8 @@ def test_draft_model_does_not_speculate(tiny_family):
 PROMPTS = [
     "    if value is None:\n        return None\n    if value is None:\n        return None\n    if value",
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+    "import os\nimport sys\nimport re\n\n\nclass Error(Exception):\n    pass\n\n\nclass",
+    "        self.name = name\n        self.value = value\n        self.",
 ]
 
 
@@ -139,7 +200,14 @@ def connect(family, port: int) -> RemoteDraftSource:
     return RemoteDraftSource([f"127.0.0.1:{port}"], request, config)
 
 
-@pytest.mark.parametrize("method", sorted(CONFIGS))
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+@pytest.mark.parametrize("method", [*sorted(CONFIGS), "draft_model"])
 def test_greedy_output_with_the_cache_equals_speculation_off(tiny_family, runner, prompts, method):
     plain = generate(runner, prompts)
     results = {}
@@ -155,6 +223,9 @@ def test_greedy_output_with_the_cache_equals_speculation_off(tiny_family, runner
         try:
             assert source.wait_ready(10)
             assert generate(runner, prompts, source) == plain
+            if method == "draft_model":  # every sequence finished: every draft KV row is free again
+                assert wait_until(lambda p=proposer: p.num_sequences == 0)
+                assert proposer.runner.cache.free_rows == proposer.runner.cache.total_rows
             results[cache is not None] = server.stats
         finally:
             source.close()
