@@ -24,9 +24,11 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     eos_token_id: int | None
+    head_dir: str | None = None  # the demo family's trained head for the configured method
 
 
 def resolve_model(args: OutriderArgs, progress: bool = False) -> ServedModel:
+    head = None
     if args.model:
         target, draft = Path(args.model), None
         tokenizer = Path(args.tokenizer or args.model)
@@ -36,6 +38,7 @@ def resolve_model(args: OutriderArgs, progress: bool = False) -> ServedModel:
 
         family = ensure_demo_family(args.demo, progress=progress)
         target, draft = family.target_dir, family.draft_dir
+        head = _demo_head(family, args, progress)
         tokenizer = Path(args.tokenizer) if args.tokenizer else family.tokenizer_dir
         default_name = f"outrider-demo-{args.demo}"
     config = json.loads((target / "config.json").read_text())
@@ -49,6 +52,19 @@ def resolve_model(args: OutriderArgs, progress: bool = False) -> ServedModel:
         max_model_len=max_len,
         vocab_size=int(config["vocab_size"]),
         eos_token_id=_eos(config, tokenizer),
+        head_dir=str(head) if head else None,
+    )
+
+
+def _demo_head(family, args: OutriderArgs, progress: bool) -> Path | None:
+    """The demo head of the speculative method (trained and cached on first use), if it has one."""
+    spec = args.speculative
+    if spec is None or "model" in spec:
+        return None
+    from cluster.demo.heads import demo_head_dir, head_methods
+
+    return (
+        demo_head_dir(family, spec["method"], progress=progress) if spec["method"] in head_methods() else None
     )
 
 

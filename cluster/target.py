@@ -171,6 +171,7 @@ class TimedDraftSource(DraftSource):
 
     def __init__(self, inner):
         self.inner, self.collects, self.collect_s = inner, 0, 0.0
+        self.validates_trees = inner.validates_trees
 
     @property
     def feature_spec(self):
@@ -230,10 +231,15 @@ class DraftPoolWatcher:
 
 
 def speculative_for(args: OutriderArgs, model: ServedModel) -> dict[str, Any] | None:
-    """The speculative config in force; model-based methods default to the demo's draft LM."""
+    """The speculative config in force; model-based methods default to the demo family's own
+    drafter for them: its draft LM for draft_model, its trained head for eagle3, medusa, ..."""
     spec = args.speculative
-    if spec is not None and spec["method"] == "draft_model" and "model" not in spec and model.draft_dir:
-        spec = {**spec, "model": model.draft_dir}
+    if spec is None or "model" in spec:
+        return spec
+    if spec["method"] == "draft_model" and model.draft_dir:
+        return {**spec, "model": model.draft_dir}
+    if model.head_dir:
+        return {**spec, "model": model.head_dir}
     return spec
 
 

@@ -97,6 +97,8 @@ def verify(
         from kernels.verification_triton import verify_triton
 
         return verify_triton(trees, target_probs, is_greedy, randoms)
+    if target_probs.device.type == "cpu" and bool(is_greedy.all()):
+        return _verify_greedy_host(trees, target_probs)
     return _verify_reference(trees, target_probs, is_greedy, randoms)
 
 
@@ -173,6 +175,39 @@ def _verify_reference(
     drawn = (source / randoms.exponentials).argmax(-1)
     final = torch.where(is_greedy, target_argmax[starts + node], drawn)
     return _assemble(tokens, accepted, num_accepted, final)
+
+
+def _verify_greedy_host(trees: PackedTrees, target_probs: torch.Tensor) -> VerifyOutput:
+    """The all-greedy batch on the CPU: one linear scan per tree, in Python over plain lists.
+
+    Same result as `_verify_reference` for greedy rows: from the root, the first child (in
+    node order) whose token is the target's argmax at its parent is accepted, then its
+    children are tried. Parents precede children, so one pass over the nodes in order finds
+    the path. Per round this is a few microseconds per node where the vectorised walk pays
+    tens of tensor ops per tree level: at batch 1 on the 2-core CPU, ~0.1 ms instead of ~1.4.
+    """
+    argmax = target_probs.argmax(-1).tolist()
+    cu = trees.cu_num_draft_tokens.tolist()
+    parents, tokens = trees.parents.tolist(), trees.token_ids.tolist()
+    batch, n = len(cu) - 1, trees.max_num_nodes
+    accepted = [[-1] * max(n - 1, 0) for _ in range(batch)]
+    output = [[-1] * n for _ in range(batch)]
+    num_accepted = [0] * batch
+    for b in range(batch):
+        start, end = cu[b], cu[b + 1]
+        node, want, row, out = 0, argmax[start], accepted[b], output[b]
+        for i in range(1, end - start):
+            if parents[start + i] == node and tokens[start + i] == want:
+                row[num_accepted[b]], out[num_accepted[b]] = i, want
+                num_accepted[b] += 1
+                node, want = i, argmax[start + i]
+        out[num_accepted[b]] = want  # the bonus token: the target's argmax after the path
+    count = torch.tensor(num_accepted, dtype=torch.int64)
+    return VerifyOutput(
+        torch.tensor(accepted, dtype=torch.int64).view(batch, max(n - 1, 0)),
+        torch.tensor(output, dtype=torch.int64).view(batch, n),
+        count + 1,
+    )
 
 
 def _load_q(trees: PackedTrees, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

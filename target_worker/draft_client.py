@@ -148,6 +148,7 @@ class _Endpoint:
 
 
 class RemoteDraftSource(DraftSource):
+    validates_trees = True  # `receive_trees` + root check in `_receive`, before `collect` sees them
     def __init__(
         self, addresses: Sequence[str], handshake: HandshakeRequest, config: DraftClientConfig | None = None
     ):

@@ -51,6 +51,11 @@ def projected_update(update: SequenceUpdate, projection: torch.Tensor | None) ->
 
 
 class DraftSource(abc.ABC):
+    # True: `collect` returns only trees already checked with `proto.check_trees` against the
+    # budgets they were asked with (the gRPC client checks on its receiving thread), so the
+    # engine does not check them twice. Sources returning unchecked trees leave it False.
+    validates_trees: bool = False
+
     @property
     @abc.abstractmethod
     def feature_spec(self) -> FeatureSpec:

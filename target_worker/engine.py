@@ -254,9 +254,13 @@ class Engine:
     ) -> list[CandidateTree]:
         """The tree each sequence verifies: the drafter's if it is sound, else root-only."""
         pairs = [(s, received[s.seq_id]) for s in ready if s.seq_id in received]
-        errors = (
-            check_trees([t for _, t in pairs], [s.budget for s, _ in pairs], self.vocab_size) if pairs else []
-        )
+        if (
+            self.drafts is not None and self.drafts.validates_trees
+        ):  # the gRPC client checked them on arrival, off this thread
+            errors = [None] * len(pairs)
+        else:
+            trees, budgets = [t for _, t in pairs], [s.budget for s, _ in pairs]
+            errors = check_trees(trees, budgets, self.vocab_size) if pairs else []
         good = {}
         for (seq, tree), error in zip(pairs, errors, strict=True):
             if error is None and tree.round != seq.tree_round:

@@ -37,3 +37,22 @@ def test_greedy_tree_verification_equals_greedy_decoding(seed: int, batch: int, 
         start = int(trees.cu_num_draft_tokens[b])
         kids = (trees.parents[start : int(trees.cu_num_draft_tokens[b + 1])] == last).nonzero().squeeze(1)
         assert int(out.output_token_ids[b, n_out - 1]) not in trees.token_ids[start + kids].tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 6), max_nodes=st.integers(1, 16))
+def test_greedy_host_scan_equals_the_vectorised_walk(seed: int, batch: int, max_nodes: int) -> None:
+    """The all-greedy CPU fast path returns exactly the reference walk's tensors, duplicate
+    sibling tokens (the first in node order wins) and root-only trees included."""
+    from kernels.verification import _verify_greedy_host, _verify_reference, draw_verify_randoms
+
+    gen = torch.Generator().manual_seed(seed)
+    next_logits = torch.randn(VOCAB // 3, VOCAB, generator=gen).repeat(3, 1)  # ties between tokens
+    trees = random_trees(gen, batch, max_nodes, VOCAB, q_top_k=4, greedy_bias=next_logits)
+    probs = next_logits[trees.token_ids].softmax(-1)
+    greedy = torch.ones(batch, dtype=torch.bool)
+    randoms = draw_verify_randoms(trees.cu_num_draft_tokens, VOCAB, gen)
+    fast, slow = _verify_greedy_host(trees, probs), _verify_reference(trees, probs, greedy, randoms)
+    assert torch.equal(fast.accepted_node_ids, slow.accepted_node_ids)
+    assert torch.equal(fast.output_token_ids, slow.output_token_ids)
+    assert torch.equal(fast.num_output_tokens, slow.num_output_tokens)
