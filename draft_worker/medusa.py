@@ -70,14 +70,22 @@ Path_ = tuple[int, ...]  # one tree node: ranks of heads 0, 1, ... on the way fr
 
 
 class MedusaHeads(nn.Module):
-    """K heads over one hidden state: [N, H] -> [N, K, V] logits (all heads in batched matmuls)."""
+    """K heads over one hidden state: [N, H] -> [N, K, V] logits (all heads in batched matmuls).
 
-    def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int):
+    `shared_head`: one lm_head [1, V, H] for every head (vLLM's `original_lm_head`; what
+    training with a frozen target head gives). At batch 1 a head's lm matmul is a GEMV bound by
+    reading V x H weights, so K private heads cost K reads and a shared one a single read.
+    """
+
+    def __init__(
+        self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int, shared_head: bool = False
+    ):
         super().__init__()
         k, h = num_heads, hidden_size
         self.block_weight = nn.Parameter(torch.zeros(k, num_layers, h, h))  # [K, L, H_out, H_in]
         self.block_bias = nn.Parameter(torch.zeros(k, num_layers, h))  # [K, L, H]
-        self.lm_head = nn.Parameter(torch.empty(k, vocab_size, h).normal_(std=h**-0.5))  # [K, V, H]
+        heads = 1 if shared_head else k
+        self.lm_head = nn.Parameter(torch.empty(heads, vocab_size, h).normal_(std=h**-0.5))  # [K or 1, V, H]
         # vLLM's truncated vocabulary: row i of a head's output is token token_map[i].
         self.register_buffer("token_map", None)
 
@@ -93,21 +101,36 @@ class MedusaHeads(nn.Module):
     def hidden_size(self) -> int:
         return self.block_weight.shape[2]
 
+    @property
+    def shared_head(self) -> bool:
+        return self.lm_head.shape[0] == 1 < self.num_heads
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, K, V_out]
         x = hidden.to(self.lm_head.dtype)[None].expand(self.num_heads, -1, -1)  # [K, N, H]
         for j in range(self.num_layers):
             w, b = self.block_weight[:, j], self.block_bias[:, j]
             x = x + nn.functional.silu(torch.baddbmm(b[:, None, :], x, w.transpose(1, 2)))
+        if self.lm_head.shape[0] == 1:  # one pass over the shared weights for every head
+            return nn.functional.linear(x, self.lm_head[0]).transpose(0, 1)  # [N, K, V_out]
         return torch.bmm(x, self.lm_head.transpose(1, 2)).transpose(0, 1)  # [N, K, V_out]
 
+    def share_identical_heads(self) -> bool:
+        """Collapse K equal lm_heads (a checkpoint of a frozen-head training) into one; True if done."""
+        if self.lm_head.shape[0] > 1 and all(torch.equal(self.lm_head[0], w) for w in self.lm_head[1:]):
+            self.lm_head = nn.Parameter(self.lm_head[:1].clone(), requires_grad=self.lm_head.requires_grad)
+            return True
+        return False
+
     def public_state_dict(self) -> dict[str, torch.Tensor]:
-        """FasterDecoding's key layout (`medusa_lm_head.safetensors`), contiguous CPU tensors."""
+        """FasterDecoding's key layout (`medusa_lm_head.safetensors`), contiguous CPU tensors;
+        a shared head is written once per head, as that layout has it."""
         out = {}
         for k in range(self.num_heads):
             for j in range(self.num_layers):
                 out[f"{k}.{j}.linear.weight"] = self.block_weight[k, j].detach().cpu().contiguous()
                 out[f"{k}.{j}.linear.bias"] = self.block_bias[k, j].detach().cpu().contiguous()
-            out[f"{k}.{self.num_layers}.weight"] = self.lm_head[k].detach().cpu().contiguous()
+            lm = self.lm_head[0 if self.lm_head.shape[0] == 1 else k]
+            out[f"{k}.{self.num_layers}.weight"] = lm.detach().cpu().clone()
         return out
 
 
@@ -133,6 +156,10 @@ def load_medusa_heads(path: str | Path, dtype: torch.dtype | None = None) -> tup
             f"medusa: {path} is neither FasterDecoding's layout ('{{k}}.0.linear.weight', "
             "config medusa_num_heads) nor vLLM's ('blocks.{k}.layers.0.weight', config num_heads)"
         )
+    if heads.share_identical_heads():
+        log.info(
+            "medusa: the %d heads of %s share one lm_head; it is read once per round", heads.num_heads, path
+        )
     return heads.eval().requires_grad_(False), config
 
 
@@ -156,13 +183,16 @@ def _read_vllm(reader: CheckpointReader, config: dict, dtype: torch.dtype) -> Me
     num_heads, layers = int(config["num_heads"]), int(config.get("num_hidden_layers", 1))
     shared = not reader.has("lm_heads.0.weight")
     vocab, hidden = reader.shape("lm_head.weight" if shared else "lm_heads.0.weight")
-    heads = MedusaHeads(num_heads, layers, hidden, vocab).to(dtype)
+    heads = MedusaHeads(num_heads, layers, hidden, vocab, shared_head=shared).to(dtype)
     for k in range(num_heads):
         for j in range(layers):
             heads.block_weight.data[k, j] = reader.read(f"blocks.{k}.layers.{j}.weight", dtype)
             if reader.has(f"blocks.{k}.layers.{j}.bias"):
                 heads.block_bias.data[k, j] = reader.read(f"blocks.{k}.layers.{j}.bias", dtype)
-        heads.lm_head.data[k] = reader.read("lm_head.weight" if shared else f"lm_heads.{k}.weight", dtype)
+        if not shared:
+            heads.lm_head.data[k] = reader.read(f"lm_heads.{k}.weight", dtype)
+    if shared:
+        heads.lm_head.data[0] = reader.read("lm_head.weight", dtype)
     if reader.has("token_map"):
         heads.token_map = reader.read("token_map", torch.int64)
     return heads

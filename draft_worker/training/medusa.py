@@ -1,7 +1,8 @@
 """Training Medusa-1 heads (arXiv 2401.10774) on a frozen target, for `draft_worker.medusa`.
 
     outrider train-draft --method medusa --target DIR --out DIR --steps 300
-    method_options: num_heads (4), num_layers (1), positions (512 per step), loss ("distill" | "ce")
+    method_options: num_heads (4), num_layers (1), positions (512 per step), loss ("distill" | "ce"),
+                    train_lm_head (True; False trains the ResBlocks only, each head keeping the target's)
 
 Row t of the data is the target's final hidden state h_t (after its final norm), which the
 target's own head turns into p(t_{t+1}). Head k (0-based) reads the same h_t and learns the
@@ -45,10 +46,16 @@ ACCURACY_RANKS = 10
 HELD_OUT = 0.1  # share of sequences kept out of training for the accuracy table
 
 
-def initial_heads(data: DistillData, num_heads: int, num_layers: int) -> MedusaHeads:
-    """Medusa's initialisation: identity ResBlocks and copies of the target's lm_head."""
-    heads = MedusaHeads(num_heads, num_layers, data.hidden_size, data.vocab_size)
+def initial_heads(
+    data: DistillData, num_heads: int, num_layers: int, train_lm_head: bool = True
+) -> MedusaHeads:
+    """Medusa's initialisation: identity ResBlocks and copies of the target's lm_head (one
+    frozen copy shared by every head when `train_lm_head` is False)."""
+    heads = MedusaHeads(
+        num_heads, num_layers, data.hidden_size, data.vocab_size, shared_head=not train_lm_head
+    )
     heads.lm_head.data[:] = data.head_weight[None]
+    heads.lm_head.requires_grad_(train_lm_head)
     return heads
 
 
@@ -126,18 +133,16 @@ def save_medusa(out_dir: str | Path, heads: MedusaHeads, config: dict) -> Path:
 
 @register_trainer("medusa")
 def train_medusa(args: TrainArgs, data: DistillData) -> dict:
-    options = {"num_heads": 4, "num_layers": 1, "positions": 512, "loss": "distill"} | dict(
-        args.method_options
-    )
-    unknown = sorted(set(options) - {"num_heads", "num_layers", "positions", "loss"})
-    if unknown or options["loss"] not in ("distill", "ce"):
+    defaults = {"num_heads": 4, "num_layers": 1, "positions": 512, "loss": "distill", "train_lm_head": True}
+    options = defaults | dict(args.method_options)
+    if set(options) - set(defaults) or options["loss"] not in ("distill", "ce"):
         raise ValueError(
-            f"medusa: method_options {dict(args.method_options)}; keys are num_heads, num_layers, positions "
-            "and loss ('distill' or 'ce')"
+            f"medusa: method_options {dict(args.method_options)}; keys are {', '.join(defaults)} "
+            "(loss: 'distill' or 'ce')"
         )
     torch.manual_seed(args.seed)
     num_heads = int(options["num_heads"])
-    heads = initial_heads(data, num_heads, int(options["num_layers"]))
+    heads = initial_heads(data, num_heads, int(options["num_layers"]), bool(options["train_lm_head"]))
     n = data.tokens.shape[0]
     held_out = max(1, round(n * HELD_OUT)) if n > 1 else 0
     rows, cols = valid_positions(data, torch.arange(n - held_out), num_heads)

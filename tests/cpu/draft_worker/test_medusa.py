@@ -181,6 +181,20 @@ def test_published_layouts_draft_the_reference_tokens(tmp_path, layout):
     assert check_trees([tree], [TreeBudget(8, 3, 3)], VOCAB) == [None]
 
 
+def test_heads_with_one_lm_head_read_it_once(tmp_path):
+    """A FasterDecoding checkpoint whose heads hold equal lm_heads (trained with the target's head
+    frozen) is served with one shared head: same trees, one [V, H] matrix."""
+    heads = random_heads(3, HIDDEN, VOCAB, seed=7, scale=3.0)
+    for head in heads[1:]:
+        head["lm"] = heads[0]["lm"].clone()
+    proposer = small_proposer(write_faster_decoding(tmp_path, heads), medusa_choices=CHOICES, tree_top_k=3)
+    assert proposer.heads.shared_head and proposer.heads.lm_head.shape == (1, VOCAB, HIDDEN)
+    hidden = torch.randn(HIDDEN)
+    (tree,) = proposer.propose([update(0, hidden)])
+    ranked = reference_logits(heads, hidden).argsort(-1, descending=True)
+    assert tree.tokens[1:4].tolist() == ranked[0, :3].tolist() and int(tree.tokens[-1]) == int(ranked[2, 0])
+
+
 def test_vllm_token_map_and_shared_head(tmp_path):
     heads = random_heads(2, HIDDEN, 5, seed=2, scale=3.0)
     token_map = torch.tensor([11, 2, 7, 0, 5])
