@@ -210,3 +210,65 @@ def test_a_different_vocabulary_is_refused(draft_dir, tiny_family):
         make(draft_dir, CHAIN, target_vocab_fingerprint="0" * 64)
     with pytest.raises(ValueError, match="'model'"):
         build_proposer({"method": "draft_model", "num_speculative_tokens": 2}, vocab_size=2048)
+
+
+# ---- speculation: forks borrow the extent --------------------------------------------------
+
+
+def test_speculation_takes_no_rows_and_leaks_none_over_many_rounds(draft_dir):
+    """Rounds of hits, misses, resets and an eviction past max_model_len with the speculation
+    cache on: a miss drafts as if nothing was speculated, and once every sequence finishes
+    every KV row is free again."""
+    from draft_worker.spec_cache import SpecCache, SpecCacheConfig, supports_speculation
+
+    proposer, plain = make(draft_dir, TREE), make(draft_dir, TREE)
+    cache, rows = SpecCache(proposer, SpecCacheConfig(max_outcomes=3)), proposer.runner.cache
+    assert supports_speculation(proposer) and rows.free_rows == rows.total_rows
+    ctxs = contexts(4, seed=5)
+    updates = [update(i, c, proposer=proposer) for i, c in enumerate(ctxs)]
+    trees = proposer.propose(updates)
+    plain.propose(updates)
+    gen = torch.Generator().manual_seed(5)
+    for round in range(1, 16):
+        free = rows.free_rows
+        for u, t in zip(updates, trees, strict=True):
+            cache.schedule(u, t)
+        while cache.has_work():
+            cache.run_one()
+        assert rows.free_rows == free  # forks take no rows
+        nxt = []
+        for i, (u, t) in enumerate(zip(updates, trees, strict=True)):
+            guessed = cache.outcomes(u, t)
+            if round % 4 and guessed and i != 3:
+                delta = list(guessed[0].delta)
+            else:  # sequence 3 sends a long delta: it grows past max_model_len (128) and is evicted
+                delta = torch.randint(2048, (9 if i == 3 else 2,), generator=gen).tolist()
+            nxt.append(update(i, delta, proposer=proposer, round=round, reset=i == 1 and round == 6))
+        hits = [cache.lookup(u) for u in nxt]
+        missed = [u for u, h in zip(nxt, hits, strict=True) if h is None]
+        drafted = iter(proposer.propose(missed))
+        trees = [h if h is not None else next(drafted) for h in hits]
+        reference = plain.propose(nxt)  # the same history without speculation drafts the same trees
+        for a, b in zip(trees, reference, strict=True):
+            assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        updates = nxt
+    assert cache.stats.hits >= 10 and cache.stats.misses >= 10, cache.stats
+    assert trees[3].num_nodes == 1  # evicted: root-only, its extent freed
+    proposer.propose([update(i, [1], proposer=proposer, finished=True) for i in range(4)])
+    assert rows.free_rows == rows.total_rows and proposer.num_sequences == 0
+
+
+def test_a_fork_past_max_model_len_or_without_an_extent_leaves_the_sequence_alone(draft_dir):
+    proposer = make(draft_dir, CHAIN, kv_cache_rows=128 + 3)  # room for one sequence
+    first, second = proposer.propose(
+        [update(0, list(range(120)), proposer=proposer), update(1, [5, 6], proposer=proposer)]
+    )
+    assert (first.num_nodes, second.num_nodes) == (5, 1)
+    assert proposer.speculate(1, [update(1, [7], round=1, proposer=proposer)]) is None  # no extent: no fork
+    # A fork that would pass max_model_len drafts nothing and keeps the real state's extent.
+    ((tree, fork),) = proposer.speculate(0, [update(0, list(range(9)), round=1, proposer=proposer)])
+    assert tree.num_nodes == 1
+    proposer.release_state(fork)
+    assert proposer.runner.cache.free_rows == 0
+    again = proposer.propose([update(0, [3], round=1, proposer=proposer)])[0]
+    assert again.num_nodes == 5
