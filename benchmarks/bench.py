@@ -51,13 +51,13 @@ PRESETS = {
     },
     "full": {
         "size": "small",
-        "prompts": 6,
+        "prompts": 5,
         "repeats": 2,
         "max_tokens": 128,
         "prompt_tokens": 128,
         "tree_sizes": "4,8,16,32",
         "concurrency": "1,4,16",
-        "serve_requests": 16,
+        "serve_requests": 8,
         "serve_repeats": 2,
     },
 }
@@ -100,7 +100,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="demo family: skip methods whose head is not built yet instead of training it",
     )
-    parser.add_argument("--prompts", type=int, help="held-out prompts per set (default: 6; 2 with --quick)")
+    parser.add_argument("--prompts", type=int, help="held-out prompts per set (default: 5; 2 with --quick)")
     parser.add_argument("--repeats", type=int, help="sweeps over all prompts (default: 2; 1 with --quick)")
     parser.add_argument(
         "--max-tokens", type=int, help="new tokens per request, EOS ignored (default: 128; 24 with --quick)"
@@ -269,13 +269,16 @@ def cli_main(args: argparse.Namespace) -> int:
         return 0
     from benchmarks.bench_sweep import run_bench
 
+    def log(message: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
     resolve_defaults(args)
     json_path = Path(args.json) if args.json else RESULTS_DIR / f"bench_{args.size}.json"
-    report = run_bench(args)
+    report = run_bench(args, log=log)
     from benchmarks.bench_render import write_outputs
 
     for path in write_outputs(report, json_path):
-        print(f"wrote {path}")
+        log(f"wrote {path}")
     for line in report["headline"]:
         print(
             f"headline T={line['temperature']:g} {line['prompt_set']}: {line['best_method']} "

@@ -111,7 +111,13 @@ def markdown(report: dict, plots: list[str]) -> str:
         f"`tau_non_looping` is tau over the others. Counts noise cannot move: "
         f"`target_forwards_per_token`, and at T = 0 `greedy_identical`, the share of outputs "
         f"token-identical to plain greedy decoding. Full run: {meta['duration_s'] / 60:.1f} minutes "
-        f"({', '.join(f'{k} {v:.0f}' for k, v in meta['phases_s'].items())}).",
+        f"({', '.join(f'{k} {v:.0f}' for k, v in meta['phases_s'].items())})."
+        + (
+            " The full preset's prompt counts, repeats and lengths are sized to fit about 25-30 minutes "
+            "of wall time on a 2-core machine shared with other work; more prompts narrow the spread."
+            if meta.get("preset") == "full"
+            else ""
+        ),
         "",
         "## Methods",
         "",

@@ -228,6 +228,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     if args.methods:
         wanted = {"plain", *args.methods.split(",")}
         table = {k: v for k, v in table.items() if k in wanted}
+    log(f"models ready; building {len(table)} engines and the transformers peers")
     tokenizer = AutoTokenizer.from_pretrained(models.tokenizer_dir)
     context = args.prompt_tokens + args.max_tokens
     runner = ModelRunner.from_pretrained(models.target_dir, max_model_len=context, kv_cache_rows=context + 64)
@@ -249,6 +250,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     primary = PRIMARY_SET if PRIMARY_SET in sets else sets[0]
     from target_worker.sequence import RequestParams
 
+    log(f"prompts ready; warming up {len(runs)} configurations")
     warm = RequestParams(max_tokens=4, ignore_eos=True)
     for run in runs.values():  # lazy initialisation out of the timed runs
         run(prompts_by_set[primary][0].token_ids, warm)
@@ -292,6 +294,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     if levels and greedy_best:
         from benchmarks.bench_serving import bench_serving
 
+        log(f"serving: {serve_method} (best at T=0), concurrency {levels}")
         t0 = time.perf_counter()
         serve_method = greedy_best
         serving = bench_serving(
@@ -311,6 +314,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     phases = {k: round(v, 1) for k, v in phases.items()}
     meta = {
         "command": "outrider bench" + (" --quick" if args.quick else ""),
+        "preset": "quick" if args.quick else "full",
         "models": models.label,
         "known_methods": methods,
         "primary_prompt_set": primary,
