@@ -28,9 +28,25 @@ committed rows are exact and a round only prefills the delta:
               module reused autoregressively, its own output standing in for the target's
               not-yet-computed hidden state (the target has not run the root yet)
 
+    tree      with top_k > 1, EAGLE-2 trees through `tree_builder.build_trees`, one forward
+              per depth for the batch (draft_model's `_TreeScratch`): node j is the row
+              (its token, y of its parent's row) at position root + depth, in scratch row
+              start + L + j, attending to the context and its own ancestors; its q row is
+              the builder's, drawn from exactly as sent, so sampled verification is lossless
+
 Draft rows sit past the committed ones and are overwritten next round (rollback by
-position). Trees are not drafted yet: a budget with top_k > 1 gets its chain (top-1 path).
-Forking (speculation cache) is not supported yet: the state owns a KV extent.
+position).
+
+No speculation cache (`can_fork` False), and not for want of a fork: a fork could borrow the
+extent as draft_model's does. What it cannot have is the next update's features. A
+speculated round r + 1 extends the state by the delta (accepted path + bonus token), and
+`propose` would prefill the delta's rows with the target's final hidden states at the root
+and the accepted nodes, which the target computes while verifying round r. The module's own
+y is not those states (it is the stand-in the chain uses for drafts, not what the target
+sends), so a tree drafted from it would not be the tree `propose` builds, and adopting that
+fork would leave rows in the cache that the real features never wrote. Speculating only the
+part that needs no features does not help either: draft 1 of round r + 1 already needs the
+feature of its root's predecessor.
 """
 
 from __future__ import annotations
@@ -42,11 +58,11 @@ from pathlib import Path
 
 import torch
 
-from draft_worker.draft_model import chain_tree, draft_vocabulary
+from draft_worker.draft_model import NO_DRAFT, _TreeScratch, chain_tree, draft_vocabulary
 from draft_worker.proposer import Proposer, register_proposer, root_only_tree
-from draft_worker.tree_builder import draft_generator
-from proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate
-from target_worker.batch import ForwardBatch, SequenceChunk, build_forward_batch
+from draft_worker.tree_builder import Frontier, build_trees, draft_generator
+from proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate, TreeBudget
+from target_worker.batch import ForwardBatch, ForwardOutput, SequenceChunk, build_forward_batch
 from target_worker.kv_cache import CacheFullError, KVCache, KVSpec
 from target_worker.layers.attention import SeqAttention, plan_attention
 from target_worker.layers.fp8 import maybe_fp8
@@ -159,7 +175,7 @@ class MTPState:
 class MTPProposer(Proposer[MTPState]):
     Options = MTPOptions
     default_num_speculative_tokens = 1  # DeepSeek-V3 ships one MTP module
-    can_fork = False  # see fork_state
+    can_fork = False  # the delta's features exist only after the target verifies it (docstring)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -173,11 +189,15 @@ class MTPProposer(Proposer[MTPState]):
             )
         hf_config = json.loads((Path(options.model) / "config.json").read_text())
         self.max_model_len = options.max_model_len or int(hf_config.get("max_position_embeddings", 2048))
-        self.extent_rows = self.max_model_len + self.config.budget.max_depth
+        budget = self.config.budget
+        # Scratch rows: a chain's drafts, or every expanded node of a tree (as draft_model's).
+        self.scratch_rows = max(1, (budget.max_depth - 1) * budget.top_k)
+        self.extent_rows = self.max_model_len + self.scratch_rows
         dtype = DTYPES[options.dtype] if options.dtype else None
         self.module = MTPModule(options.model, dtype, self.device, self.extent_rows)
         spec = KVSpec(num_layers=1, buffers=self.module.buffers, dtype=self.module.dtype)
         self.cache = KVCache(spec, options.kv_cache_rows or 32 * self.extent_rows, self.device)
+        self.runner = _MTPRunner(self)  # what the tree scratch drives (draft_model's `_TreeScratch`)
         self.forwards = 0
 
     @property
@@ -200,7 +220,7 @@ class MTPProposer(Proposer[MTPState]):
         state.tokens.extend(update.new_tokens.tolist())
 
     def fork_state(self, state: MTPState) -> None:
-        """No speculation cache yet: the state owns a KV extent, which a copy would share."""
+        """No speculation cache: the next round's features are the target's (module docstring)."""
         return None
 
     def retire(self, state: MTPState) -> None:
@@ -209,17 +229,31 @@ class MTPProposer(Proposer[MTPState]):
             state.start = None
 
     def draft(self, updates: Sequence[SequenceUpdate], states: Sequence[MTPState]) -> list[CandidateTree]:
-        lengths = [0] * len(updates)
+        budgets = [NO_DRAFT] * len(updates)
         drafting = [b for b, s in enumerate(states) if self._admit(s)]
         for b in drafting:
             budget = self.budget(updates[b])
-            room = self.max_model_len - len(states[b].tokens)
-            lengths[b] = max(0, min(budget.max_depth, budget.max_nodes - 1, room))
-        drafting = [b for b in drafting if lengths[b] > 0]
+            depth = min(budget.max_depth, self.max_model_len - len(states[b].tokens))
+            if depth > 0 and budget.max_nodes > 1 and budget.top_k > 0:
+                budgets[b] = TreeBudget(budget.max_nodes, depth, budget.top_k)
+        drafting = [b for b in drafting if budgets[b] is not NO_DRAFT]
         if not drafting:
             return [root_only_tree(u) for u in updates]
         logits, hidden = self._prefill([states[b] for b in drafting])
-        return self._draft_chains(updates, states, lengths, drafting, logits, hidden)
+        if all(budgets[b].top_k == 1 for b in drafting):
+            lengths = [min(b.max_depth, b.max_nodes - 1) for b in budgets]
+            return self._draft_chains(updates, states, lengths, drafting, logits, hidden)
+        root_logits = torch.zeros(len(updates), logits.shape[1], dtype=logits.dtype, device=logits.device)
+        root_y = torch.zeros(len(updates), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+        root_logits[drafting], root_y[drafting] = logits, hidden
+        return build_trees(
+            updates,
+            budgets,
+            root_logits,
+            _MTPTreeScratch(self, states, root_y),
+            sampled_mode=self.config.sampled_mode,
+            generators=[s.generator for s in states],
+        )
 
     def _admit(self, state: MTPState) -> bool:
         if state.broken or len(state.tokens) > self.max_model_len:
@@ -237,8 +271,12 @@ class MTPProposer(Proposer[MTPState]):
         return True
 
     def _forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.cache.check_rows(batch.kv_starts, batch.kv_lens)
         self.forwards += 1
+        return self._run(batch, hidden)
+
+    def _run(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, y) of the batch's rows; `hidden` [T, H] = each row's h_{p-1} or parent y."""
+        self.cache.check_rows(batch.kv_starts, batch.kv_lens)
         with torch.inference_mode():
             return self.module.forward(batch, hidden, plan_attention(batch), self.cache.layers[0])
 
@@ -289,3 +327,40 @@ class MTPProposer(Proposer[MTPState]):
             else root_only_tree(u)
             for u, d, p in zip(updates, drafts, probs, strict=True)
         ]
+
+
+class _MTPRunner:
+    """What `draft_model._TreeScratch` drives: forward(batch) -> logits, each row's input
+    hidden handed over in `hidden_in` and its y kept in `hidden_out` (as eagle3's)."""
+
+    def __init__(self, proposer: MTPProposer):
+        self.proposer = proposer
+        self.hidden_in: torch.Tensor | None = None  # [rows, H]
+        self.hidden_out: torch.Tensor | None = None  # [rows, H]
+
+    @property
+    def device(self) -> torch.device:
+        return self.proposer.device
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        logits, self.hidden_out = self.proposer._run(batch, self.hidden_in)
+        return ForwardOutput(logits=logits)
+
+
+class _MTPTreeScratch(_TreeScratch):
+    """`_TreeScratch` (scratch rows, ancestor masks) plus the MTP hand-off: each row's input
+    hidden is its parent row's y (the root's for depth 1)."""
+
+    def __init__(self, proposer: MTPProposer, states: Sequence[MTPState], root_y: torch.Tensor):
+        super().__init__(proposer, states)
+        self.parent_y = root_y  # [batch, H] at depth 1, then [rows of the previous call, H]
+
+    def __call__(self, frontier: Frontier) -> torch.Tensor:  # [frontier.num_rows, vocab]
+        device = self.parent_y.device
+        index = frontier.seq_index if frontier.depth == 1 else frontier.parent_row
+        order = frontier.seq_index.cpu().argsort(stable=True).to(device)  # as _TreeScratch groups rows
+        self.runner.hidden_in = self.parent_y[index.to(device)][order]
+        logits = super().__call__(frontier)
+        self.parent_y = torch.empty_like(self.runner.hidden_out)
+        self.parent_y[order] = self.runner.hidden_out
+        return logits

@@ -2,18 +2,24 @@
 
 transformers does not model the MTP layer, so the module is checked against a reference
 written from its definition (enorm / hnorm / eh_proj, then transformers' own decoder layer
-loaded with the MTP weights, then the shared head); drafting through the engine is checked
-to be lossless (greedy with `mtp` == plain greedy).
+loaded with the MTP weights, then the shared head), chains and every q row of a tree alike;
+drafting through the engine is checked to be lossless (greedy with `mtp` == plain greedy,
+chains and trees), and sampled trees statistically (the first two output tokens follow the
+target). Through the gRPC draft server: tests/cpu/target_worker/test_draft_client.py.
 """
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from draft_worker import build_proposer
-from proto import FeatureSpec, SamplingParams, SequenceUpdate, TreeBudget
+from kernels import draw_verify_randoms, pack_trees, process_logits, verify
+from proto import DraftSampling, FeatureSpec, SamplingParams, SequenceUpdate, TreeBudget, check_trees
 from target_worker.batch import SequenceChunk, build_forward_batch
 from target_worker.draft_source import InProcessDraftSource
 from target_worker.engine import Engine
@@ -122,23 +128,154 @@ def test_drafts_match_the_reference_module(tmp_path):
     assert int(tree.tokens[1]) == int(logits[-1].argmax())
 
 
-def test_greedy_with_mtp_equals_plain_deepseek(tmp_path):
+TREE_KEYS = {"tree_top_k": 3, "tree_max_nodes": 8}
+
+
+def reference_path_logits(reference, tokens: list[int], features: torch.Tensor, path: list[int]):
+    """[V] logits after `path` below the root: the module reused with its own y as the input
+    hidden of every draft row."""
+    rows, inputs = list(tokens), features
+    for token in path:
+        _, y = reference_mtp(reference, rows, inputs)
+        rows, inputs = rows + [token], torch.cat([inputs, y[-1:]])
+    return reference_mtp(reference, rows, inputs)[0][-1]
+
+
+def path_to(tree, node: int) -> list[int]:
+    parents, tokens, path = tree.parents.tolist(), tree.tokens.tolist(), []
+    while node > 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
+
+
+def test_tree_q_rows_match_the_reference_module(tmp_path):
+    """Every q row of a batch of greedy and sampled trees is the reference module's
+    distribution at that node's path, after the sequence's sampling params."""
+    path = tmp_path / "ds"
+    model = save_random_deepseek(path, with_mtp=True)
+    proposer = build_proposer(
+        {
+            "method": "mtp",
+            "model": str(path),
+            "num_speculative_tokens": 4,
+            "tree_top_k": 2,
+            "tree_max_nodes": 10,
+        },
+        vocab_size=VOCAB,
+    )
+    reference = reference_block(model.config, load_file(path / "model.safetensors"), LAYERS)
+    gen = torch.Generator().manual_seed(4)
+    contexts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 4, 6)]
+    samplings = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=5), SamplingParams()]
+    budget = TreeBudget(max_nodes=10, max_depth=4, top_k=2)
+    updates, features = [], []
+    for i, (tokens, sampling) in enumerate(zip(contexts, samplings, strict=True)):
+        features.append(torch.cat([torch.zeros(1, 64), target_hidden(model, tokens)[:-1]]))
+        updates.append(SequenceUpdate(i, 1, torch.tensor(tokens), sampling, budget, features=features[-1]))
+    trees = proposer.propose(updates)
+    assert check_trees(trees, [budget] * 3, VOCAB) == [None] * 3
+    assert proposer.forwards == 4  # one prefill and one forward per expanded depth, for the batch
+    for tree, tokens, feats, sampling in zip(trees, contexts, features, samplings, strict=True):
+        # Rows at depth 2 and deeper too: their input hidden is their parent row's y.
+        assert tree.num_nodes == 10 and max(len(path_to(tree, n)) for n in tree.q_nodes.tolist()) >= 2
+        for node, ids, probs in zip(tree.q_nodes.tolist(), tree.q_token_ids, tree.q_probs, strict=True):
+            logits = reference_path_logits(reference, tokens, feats, path_to(tree, node))[None]
+            if sampling.greedy:
+                q = logits.softmax(-1)[0]
+            else:
+                s = sampling
+                q = process_logits(
+                    logits, *(torch.tensor([v]) for v in (s.temperature, s.top_k, s.top_p, s.min_p))
+                )
+                q = q[0]
+            expect_probs, expect_ids = q.topk(2)
+            expect_probs = expect_probs[expect_probs > 0]
+            if not sampling.greedy:
+                expect_probs = expect_probs / expect_probs.sum()
+            kept = ids >= 0
+            assert set(ids[kept].tolist()) == set(expect_ids[: len(expect_probs)].tolist())
+            torch.testing.assert_close(
+                probs[kept].sort().values, expect_probs.sort().values, atol=1e-4, rtol=1e-3
+            )
+
+
+@pytest.mark.parametrize("shape", [{}, TREE_KEYS], ids=["chain", "tree"])
+def test_greedy_with_mtp_equals_plain_deepseek(tmp_path, shape):
     path = tmp_path / "ds"
     save_random_deepseek(path, with_mtp=True)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 11, 8)]
     params = RequestParams(max_tokens=20, ignore_eos=True)
+    budget = TreeBudget(max_nodes=8, max_depth=3, top_k=3 if shape else 1)
 
     def engine(spec):
         runner = ModelRunner.from_pretrained(path, max_model_len=64, kv_cache_rows=512)
         source = InProcessDraftSource(build_proposer(spec, vocab_size=VOCAB)) if spec else None
-        return Engine(runner, source, eos_token_id=None, max_batch=4)
+        return Engine(runner, source, eos_token_id=None, max_batch=4, tree_budget=budget)
 
     plain = [c.token_ids for c in engine(None).generate(prompts, params)]
-    spec_engine = engine({"method": "mtp", "model": str(path), "num_speculative_tokens": 3})
+    spec_engine = engine({"method": "mtp", "model": str(path), "num_speculative_tokens": 3, **shape})
     assert [c.token_ids for c in spec_engine.generate(prompts, params)] == plain
     stats = spec_engine.stats
     assert stats.num_invalid_trees == 0 and stats.spec.num_drafts > 0
+
+
+NUM_DRAWS, DELTA, SMALL_VOCAB = 12_000, 1e-6, 12
+
+
+@pytest.mark.parametrize("mode", ["with_replacement", "without_replacement", "deterministic"])
+def test_sampled_trees_are_lossless(tmp_path, mode):
+    """The first two output tokens of a round follow the target: p(x1) p(x2 | x1).
+
+    NUM_DRAWS sequences share a context and its features, so each draws a fresh tree from the
+    same q rows; the target's p at any node is a bigram row of the node's token (processed
+    like the sequence's p), partly agreeing with the module's root distribution. Where the
+    round ends after x1, x2 is drawn from p(. | x1) as the next round would. TV over V^2 cells
+    as in test_tree_lossless.py.
+    """
+    torch.manual_seed(0)
+    path = tmp_path / "ds"
+    save_random_deepseek(path, with_mtp=True, vocab_size=SMALL_VOCAB)
+    keys = {"max_model_len": 8, "kv_cache_rows": NUM_DRAWS * 16, "draft_sampling": mode, **TREE_KEYS}
+    proposer = build_proposer(
+        {"method": "mtp", "model": str(path), "num_speculative_tokens": 3, **keys}, vocab_size=SMALL_VOCAB
+    )
+    context, features = [3, 5, 7], torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    cache = KVCache(proposer.cache.spec, 8)
+    batch = build_forward_batch([SequenceChunk(0, 0, torch.tensor(context))])
+    draft_logits, _ = proposer.module.forward(batch, features, plan_attention(batch), cache.layers[0])
+    table = torch.randn(SMALL_VOCAB, SMALL_VOCAB, generator=torch.Generator().manual_seed(9)) * 0.7
+    table += draft_logits[-1]
+    sampling = SamplingParams(temperature=0.9, top_p=0.9)
+    ones = torch.ones(SMALL_VOCAB)
+    p = process_logits(table, ones * sampling.temperature, None, ones * sampling.top_p)  # [V, V]
+
+    budget = TreeBudget(max_nodes=8, max_depth=3, top_k=3)
+    trees = proposer.propose(
+        [
+            SequenceUpdate(i, 0, torch.tensor(context), sampling, budget, features=features)
+            for i in range(NUM_DRAWS)
+        ]
+    )
+    assert trees[0].sampling == DraftSampling[mode.upper()] and trees[0].num_nodes == 8
+    packed = pack_trees(trees)
+    randoms = draw_verify_randoms(packed.cu_num_draft_tokens, SMALL_VOCAB, torch.Generator().manual_seed(2))
+    out = verify(
+        packed, p[packed.token_ids], torch.zeros(NUM_DRAWS, dtype=torch.bool), randoms, backend="torch"
+    )
+    first = out.output_token_ids[:, 0]
+    second = torch.where(
+        out.num_output_tokens >= 2,
+        out.output_token_ids[:, 1],
+        torch.multinomial(p[first], 1, generator=torch.Generator().manual_seed(3)).squeeze(1),
+    )
+    cells = SMALL_VOCAB * SMALL_VOCAB
+    joint = torch.bincount(first * SMALL_VOCAB + second, minlength=cells).double() / NUM_DRAWS
+    expected = (p[context[-1]][:, None] * p).reshape(-1).double()
+    bound = math.sqrt(2 * (cells * math.log(2) + math.log(1 / DELTA)) / NUM_DRAWS) / 2
+    assert 0.5 * float((joint - expected).abs().sum()) < bound
+    assert float((out.num_output_tokens >= 3).float().mean()) > 0.01  # depth-2 residuals were exercised
 
 
 def head_state(folder, layer: int) -> dict[str, torch.Tensor]:
