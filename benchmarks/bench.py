@@ -162,10 +162,9 @@ def resolve_models(args: argparse.Namespace, methods: list[str], log=print) -> M
         )
         models.serve_model = {"model": str(target), "tokenizer": str(models.tokenizer_dir)}
         models.serve_name = target.resolve().name
-        trainable: list[str] = []
     else:
         from cluster.demo.family import ensure_demo_family
-        from cluster.demo.heads import demo_head_dir, head_dir, head_methods, verify_head
+        from cluster.demo.heads import demo_head_dir, head_dir, verify_head
 
         family = ensure_demo_family(args.size, progress=False, log=log)
         models = Models(
@@ -175,7 +174,9 @@ def resolve_models(args: argparse.Namespace, methods: list[str], log=print) -> M
             family.draft_dir,
         )
         models.serve_model, models.serve_name = {"demo": args.size}, f"outrider-demo-{args.size}"
-        trainable = head_methods()
+    from cluster.demo.heads import head_methods
+
+    trained = set(head_methods())  # methods whose drafter is a trained head
     for method in methods:
         if method in ("ngram", "suffix"):
             continue
@@ -185,13 +186,10 @@ def resolve_models(args: argparse.Namespace, methods: list[str], log=print) -> M
             continue
         if method in explicit:
             models.heads[method] = Path(explicit[method])
-        elif method not in trainable:
-            why = (
-                "no head given (--head METHOD=DIR)"
-                if args.model
-                else "no trainer for this method, so no demo head"
-            )
-            models.skipped.append({"method": method, "reason": why})
+        elif method not in trained:
+            continue  # no trainer: `method_table` tries it at a generic shape; a failed build is skipped
+        elif args.model:
+            models.skipped.append({"method": method, "reason": "no head given (--head METHOD=DIR)"})
         elif args.no_build_heads:
             try:
                 verify_head(head_dir(family, method))
@@ -229,9 +227,9 @@ def method_table(models: Models, methods: list[str]) -> dict[str, dict | None]:
     table = dict(
         sorted(table.items(), key=lambda kv: -1 if kv[1] is None else rank.get(kv[1]["method"], len(rank)))
     )
-    covered = {c["method"] for c in table.values() if c}
+    covered = {c["method"] for c in table.values() if c} | {s["method"] for s in models.skipped}
     for method in methods:  # a method registered later still runs, at a generic chain shape
-        if method not in covered and (method in heads or method in ("ngram", "suffix")):
+        if method not in covered:
             table[method] = {
                 "method": method,
                 "num_speculative_tokens": 4,

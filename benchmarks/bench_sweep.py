@@ -40,7 +40,9 @@ def engine_runs(
         try:
             source = TimedProposer(build_proposer(config, vocab_size=vocab)) if config else None
         except Exception as e:  # a head that does not fit this target, a bad checkpoint: say so
-            skipped.append({"method": label, "reason": f"proposer failed to build: {e}"})
+            skipped.append(
+                {"method": config["method"], "label": label, "reason": f"proposer failed to build: {e}"}
+            )
             continue
         engine = KeepTokens(Engine(runner, source and InProcessDraftSource(source), eos_token_id=None))
 
