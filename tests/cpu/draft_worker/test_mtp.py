@@ -10,6 +10,7 @@ target). Through the gRPC draft server: tests/cpu/target_worker/test_draft_clien
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -344,3 +345,43 @@ def test_trained_demo_style_head_on_a_llama_target(tmp_path):
     spec_engine = engine({"method": "mtp", "model": str(out), "num_speculative_tokens": 2})
     assert [c.token_ids for c in spec_engine.generate(prompts, params)] == plain
     assert spec_engine.stats.spec.num_drafts > 0
+
+
+def test_trees_through_the_grpc_draft_server_on_the_demo_head(tiny_family):
+    """The tiny family's trained MTP head behind a real draft server: the client expects its
+    FeatureSpec, so the engine captures the target's final hidden states and sends them with
+    each delta; greedy trees through the wire == plain, and the head's drafts are accepted."""
+    from cluster.demo.heads import demo_head_dir
+    from draft_worker.server_cli import build_server_proposer
+    from tests.cpu.target_worker.draft_client_testlib import (
+        client,
+        encode_prompts,
+        generate,
+        load_runner,
+        start_server,
+    )
+
+    head = demo_head_dir(tiny_family, "mtp", progress=False, log=lambda _: None)
+    options = {"num_speculative_tokens": 4, **TREE_KEYS}
+    proposer = build_server_proposer("mtp", options, head, tiny_family.tokenizer_dir)
+    assert proposer.feature_spec.layer_ids == (
+        json.loads((head / "config.json").read_text())["num_hidden_layers"],
+    )
+    runner, prompts = load_runner(tiny_family.target_dir), encode_prompts(tiny_family.tokenizer_dir)
+    plain, _ = generate(runner, prompts)
+    server = start_server(tiny_family, "mtp", proposer=proposer)
+    source = client(
+        tiny_family, [f"127.0.0.1:{server.port}"], round_deadline_s=5.0, features=proposer.feature_spec
+    )
+    try:
+        assert source.wait_ready(10)
+        outputs, stats = generate(runner, prompts, source)
+        assert outputs == plain
+        assert stats.num_invalid_trees == 0 and source.counters.trees_missing == 0
+        assert stats.spec.num_accepted_tokens > 0, stats.spec
+        wide = stats.spec.num_draft_tokens / stats.spec.num_drafts
+        assert wide > 4, stats.spec  # trees (the engine's budget: 8 nodes, top_k 2), not chains
+    finally:
+        source.close()
+        server.stop(1)
+    assert server.stats.spec_cache_hits == server.stats.spec_cache_misses == 0  # mtp is never speculated
