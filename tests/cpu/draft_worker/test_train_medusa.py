@@ -69,7 +69,10 @@ def test_loss_falls_and_the_checkpoint_is_the_published_layout(setup):
     heads, saved = load_medusa_heads(args.out_dir)
     assert (saved["medusa_num_heads"], saved["medusa_num_layers"]) == (3, 1)
     assert saved["num_hidden_layers"] == config["num_hidden_layers"]
-    assert heads.lm_head.shape == (3, config["vocab_size"], config["hidden_size"])
+    # The default keeps the target's head, frozen: written once per head, served as one.
+    assert heads.shared_head and heads.lm_head.shape == (1, config["vocab_size"], config["hidden_size"])
+    target_head = load_distill_data(args, get_trainer("medusa").layers).head_weight
+    torch.testing.assert_close(heads.lm_head[0], target_head)
     assert len(saved["medusa_accuracy"]) == 3 and saved["medusa_accuracy"][0][0] > 0.1
 
 
@@ -102,7 +105,8 @@ def test_resume_continues_from_the_saved_step(setup, tmp_path, monkeypatch):
     from draft_worker.training import common
 
     _, args, _, _ = setup
-    short = dict(steps=6, checkpoint_every=3, method_options={"num_heads": 2, "positions": 64})
+    options = {"num_heads": 2, "positions": 64, "train_lm_head": True}  # Medusa-1's private heads
+    short = dict(steps=6, checkpoint_every=3, method_options=options)
     whole = train_draft(replace(args, out_dir=str(tmp_path / "whole"), **short))
 
     save = common.save_train_state
@@ -120,6 +124,7 @@ def test_resume_continues_from_the_saved_step(setup, tmp_path, monkeypatch):
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(whole["losses"]))
     a, _ = load_medusa_heads(tmp_path / "whole")
     b, _ = load_medusa_heads(tmp_path / "resumed")
+    assert a.lm_head.shape[0] == 2  # private heads, trained apart
     torch.testing.assert_close(a.lm_head, b.lm_head)
 
 
