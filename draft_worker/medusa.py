@@ -269,18 +269,21 @@ class StaticTree:
 
     @classmethod
     def compile(cls, choices: Sequence[Sequence[int]], num_heads: int) -> StaticTree:
-        paths = tuple(tuple(int(r) for r in path) for path in choices)
-        known = set()
-        for path in paths:
+        given = [tuple(int(r) for r in path) for path in choices]
+        position = {}
+        for i, path in enumerate(given):
             if not path or min(path) < 0 or len(path) > num_heads:
                 raise ValueError(f"medusa_choices: {list(path)} must be 1..{num_heads} ranks >= 0")
-            if path in known:
+            if path in position:
                 raise ValueError(f"medusa_choices: {list(path)} appears twice")
-            if len(path) > 1 and path[:-1] not in known:
-                raise ValueError(
-                    f"medusa_choices: {list(path)} comes before (or without) its prefix {list(path[:-1])}"
-                )
-            known.add(path)
+            position[path] = i
+        for path in given:
+            if len(path) > 1 and path[:-1] not in position:
+                raise ValueError(f"medusa_choices: {list(path)} comes without its prefix {list(path[:-1])}")
+        # Priority = the given order, except that a path waits for its prefixes (published lists
+        # need not list prefixes first), so every priority prefix is prefix-closed.
+        after = {p: max(position[p[:i]] for i in range(1, len(p) + 1)) for p in given}
+        paths = tuple(sorted(given, key=lambda p: (after[p], len(p))))
         layout = [(), *sorted(paths, key=lambda p: (len(p), p))]
         index = {path: i for i, path in enumerate(layout)}
         parents = [-1] + [index[p[:-1]] for p in layout[1:]]

@@ -116,7 +116,7 @@ def test_a_budget_keeps_the_first_paths_that_fit_prefix_closed():
 @pytest.mark.parametrize(
     "choices, message",
     [
-        ([(0, 0), (0,)], "before"),
+        ([(0, 0)], "without"),
         ([(0,), (0,)], "twice"),
         ([(0,), (0, 0, 0, 0)], "ranks"),
         ([(-1,)], "ranks"),
@@ -125,6 +125,12 @@ def test_a_budget_keeps_the_first_paths_that_fit_prefix_closed():
 def test_bad_choices_are_refused(choices, message):
     with pytest.raises(ValueError, match=message):
         StaticTree.compile(choices, num_heads=3)
+
+
+def test_a_path_listed_before_its_prefix_waits_for_it():
+    tree = StaticTree.compile([(0, 0), (1,), (0,), (0, 0, 0)], num_heads=3)
+    assert tree.paths == ((1,), (0,), (0, 0), (0, 0, 0))
+    assert tree.cut(TreeBudget(max_nodes=3, max_depth=3, top_k=2)).paths == ((1,), (0,))
 
 
 def test_best_choices_follow_the_accuracies():
