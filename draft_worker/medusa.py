@@ -147,7 +147,7 @@ def load_medusa_heads(path: str | Path, dtype: torch.dtype | None = None) -> tup
     reader = CheckpointReader(path)
     config = reader.config
     dtype = dtype or reader.checkpoint_dtype
-    if "medusa_num_heads" in config or reader.has("0.0.linear.weight") or reader.has("0.1.weight"):
+    if "medusa_num_heads" in config or reader.has("0.1.weight") or reader.has("medusa_head.0.1.weight"):
         heads = _read_faster_decoding(reader, config, dtype)
     elif "num_heads" in config and reader.has("blocks.0.layers.0.weight"):
         heads = _read_vllm(reader, config, dtype)
@@ -165,17 +165,20 @@ def load_medusa_heads(path: str | Path, dtype: torch.dtype | None = None) -> tup
 
 def _read_faster_decoding(reader: CheckpointReader, config: dict, dtype: torch.dtype) -> MedusaHeads:
     layers = int(config.get("medusa_num_layers", 1))
+    # Medusa-2 saves the heads inside the whole model, as `medusa_head.{k}...`.
+    prefix = "medusa_head." if reader.has(f"medusa_head.0.{layers}.weight") else ""
     num_heads = int(config.get("medusa_num_heads", 0))
-    while not num_heads and reader.has(f"{num_heads}.{layers}.weight"):
-        num_heads += 1  # no config count: as many heads as the file holds
-    vocab, hidden = reader.shape(f"0.{layers}.weight")
+    if not num_heads:  # no config count: as many heads as the file holds
+        while reader.has(f"{prefix}{num_heads}.{layers}.weight"):
+            num_heads += 1
+    vocab, hidden = reader.shape(f"{prefix}0.{layers}.weight")
     heads = MedusaHeads(num_heads, layers, hidden, vocab).to(dtype)
     for k in range(num_heads):
         for j in range(layers):
-            heads.block_weight.data[k, j] = reader.read(f"{k}.{j}.linear.weight", dtype)
-            if reader.has(f"{k}.{j}.linear.bias"):
-                heads.block_bias.data[k, j] = reader.read(f"{k}.{j}.linear.bias", dtype)
-        heads.lm_head.data[k] = reader.read(f"{k}.{layers}.weight", dtype)
+            heads.block_weight.data[k, j] = reader.read(f"{prefix}{k}.{j}.linear.weight", dtype)
+            if reader.has(f"{prefix}{k}.{j}.linear.bias"):
+                heads.block_bias.data[k, j] = reader.read(f"{prefix}{k}.{j}.linear.bias", dtype)
+        heads.lm_head.data[k] = reader.read(f"{prefix}{k}.{layers}.weight", dtype)
     return heads
 
 

@@ -219,6 +219,25 @@ def test_vllm_token_map_and_shared_head(tmp_path):
     assert tree.tokens.tolist() == [3, int(token_map[top[0]]), int(token_map[top[1]])]
 
 
+def test_medusa2_prefixed_heads_without_a_count_load(tmp_path):
+    """Medusa-2 keeps the heads inside the whole model (`medusa_head.{k}...`); with no
+    medusa_num_heads in config.json, every head in the file is read."""
+    heads = random_heads(3, HIDDEN, VOCAB, seed=8, scale=3.0)
+    tensors = {"model.norm.weight": torch.ones(HIDDEN)}
+    for k, head in enumerate(heads):
+        tensors |= {
+            f"medusa_head.{k}.0.linear.weight": head["w"],
+            f"medusa_head.{k}.0.linear.bias": head["b"],
+        }
+        tensors[f"medusa_head.{k}.1.weight"] = head["lm"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "medusa_num_layers": 1}))
+    loaded, _ = load_medusa_heads(tmp_path)
+    hidden = torch.randn(HIDDEN)
+    assert loaded.num_heads == 3
+    torch.testing.assert_close(loaded(hidden[None])[0], reference_logits(heads, hidden))
+
+
 def test_pickle_checkpoints_are_refused_with_a_way_out(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2}))
     (tmp_path / "medusa_lm_head.pt").write_bytes(b"\x80\x04not really")
