@@ -27,7 +27,6 @@ committed rows are exact and a round only prefills the delta:
     chain     draft k+1 from row (d_k, y of the previous row) at position root + k: the
               module reused autoregressively, its own output standing in for the target's
               not-yet-computed hidden state (the target has not run the root yet)
-
     tree      with top_k > 1, EAGLE-2 trees through `tree_builder.build_trees`, one forward
               per depth for the batch (draft_model's `_TreeScratch`): node j is the row
               (its token, y of its parent's row) at position root + depth, in scratch row
