@@ -29,19 +29,21 @@ A sequence that does not fit (KV cache full, or past the draft's `max_model_len`
 root-only trees, so the target decodes it without speculation: drafting costs speed, never
 a request. It is admitted again later if the cache frees up.
 
-Forks (the speculation cache, `draft_worker.spec_cache`) share the sequence's extent and
-take no rows of their own. Everything a fork writes lies past the committed rows, where the
-real state keeps nothing (its next prefill starts at start + L and overwrites them):
+Forks (the speculation cache, `draft_worker.spec_cache`) borrow the sequence's extent and
+keep no rows of their own. While they draft, each gets a scratch extent whose first L rows
+are a copy of the committed ones, so all of a sequence's forks draft in one batch; the
+scratch extents are freed as soon as the trees are out:
 
-    | committed context ... root | fork's delta | fork's tree nodes |      one fork at a time
-    ^ start  (shared, read-only)  ^ start + L
+    sequence extent   | committed context ... root | (the real state's tree nodes, stale) |
+    scratch, fork i   | copy of the L rows         | fork i's delta | its tree nodes |   freed
 
-Two forks of one sequence would write the same rows, so `speculate` drafts them one after
-another, and after drafting each fork gives its rows up again: its `cached` falls back to
-L, so the delta's K/V is prefilled once more if the fork is adopted (`adopt` hands the
-extent over). A fork thus costs no KV rows and no copy; the price is that one sequence's
-outcomes are drafted serially (not batched) and a hit's next prefill is a delta longer.
-A fork never frees the extent it borrows (`DraftModelState.lender`).
+A fork then points at the borrowed extent with `cached` = L, so if it is adopted (`adopt`
+hands the extent over) its delta is prefilled once more next round: a hit's next prefill is
+a delta longer, and no fork ever holds a row. When the cache has no room for the scratch
+extents, the forks draft one at a time in the borrowed extent itself, past the committed
+rows, where the real state keeps nothing (its next prefill starts at start + L and
+overwrites them); two forks at once would write the same rows there. A fork never frees the
+extent it borrows (`DraftModelState.lender`).
 """
 
 from __future__ import annotations
@@ -183,20 +185,58 @@ class DraftModelProposer(Proposer[DraftModelState]):
     def speculate(
         self, seq_id: int, updates: Sequence[SequenceUpdate]
     ) -> list[tuple[CandidateTree, DraftModelState]] | None:
-        """As `Proposer.speculate`, one fork at a time: forks of a sequence write the same rows."""
+        """As `Proposer.speculate`: every fork in one batch, each in a scratch extent holding a
+        copy of the context rows; without room for those, one fork at a time in the sequence's
+        own extent. Either way each fork ends as the module docstring says (borrowed, rewound)."""
         base = self._states.get(seq_id)
         if base is None or not updates:
             return None
-        out = []
+        forks = []
         for update in updates:
             fork = self.fork_state(base)
             if fork is None:
                 return None
             self.extend(fork, update)
-            (tree,) = self.draft([update], [fork])
-            fork.cached = min(fork.cached, base.cached)  # the rows past L are the next fork's
-            out.append((tree, fork))
-        return out
+            forks.append(fork)
+        scratch = self._scratch_extents(base, forks)
+        try:
+            if scratch is not None:
+                for fork, start in zip(forks, scratch, strict=True):
+                    fork.start = fork.start if start is None else start
+                trees = self.draft(updates, forks)
+            else:  # forks of one sequence write the same rows of its extent: one at a time
+                trees = [self.draft([u], [f])[0] for u, f in zip(updates, forks, strict=True)]
+        finally:
+            for i, start in enumerate(scratch or []):
+                if start is not None:
+                    self.runner.cache.free(("fork", i))
+            for fork in forks:  # back in the borrowed extent, its rows past L given up
+                fork.start, fork.cached = base.start, min(fork.cached, base.cached)
+        return list(zip(trees, forks, strict=True))
+
+    def _scratch_extents(
+        self, base: DraftModelState, forks: list[DraftModelState]
+    ) -> list[int | None] | None:
+        """A scratch extent per fork (None for one past max_model_len, which drafts nothing),
+        its first L rows a copy of the base's; None when the cache has no room for them all."""
+        cache, starts = self.runner.cache, []
+        try:
+            for i, fork in enumerate(forks):
+                fits = len(fork.tokens) <= self.max_model_len
+                starts.append(
+                    cache.allocate(("fork", i), len(fork.tokens) + self.scratch_rows) if fits else None
+                )
+        except CacheFullError:
+            for i, start in enumerate(starts):
+                if start is not None:
+                    cache.free(("fork", i))
+            return None
+        length = base.cached
+        for start in starts:
+            if start is not None:
+                for buffer in cache.buffers.values():  # [layers, rows, ...]
+                    buffer[:, start : start + length].copy_(buffer[:, base.start : base.start + length])
+        return starts
 
     def adopt(self, seq_id: int, state: DraftModelState) -> None:
         """The fork takes over the extent it borrowed, and the replaced state's rows are freed."""

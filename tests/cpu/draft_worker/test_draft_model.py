@@ -215,13 +215,18 @@ def test_a_different_vocabulary_is_refused(draft_dir, tiny_family):
 # ---- speculation: forks borrow the extent --------------------------------------------------
 
 
-def test_speculation_takes_no_rows_and_leaks_none_over_many_rounds(draft_dir):
+@pytest.mark.parametrize("serial", [False, True], ids=["batched", "serial"])
+def test_speculation_takes_no_rows_and_leaks_none_over_many_rounds(draft_dir, serial):
     """Rounds of hits, misses, resets and an eviction past max_model_len with the speculation
     cache on: a miss drafts as if nothing was speculated, and once every sequence finishes
-    every KV row is free again."""
+    every KV row is free again. Forks draft batched in scratch extents, or, in a cache with
+    room for the four sequences only, one at a time in their sequence's extent."""
     from draft_worker.spec_cache import SpecCache, SpecCacheConfig, supports_speculation
 
-    proposer, plain = make(draft_dir, TREE), make(draft_dir, TREE)
+    rows_for_four = {"kv_cache_rows": 4 * (128 + 3 * 3)} if serial else {}
+    proposer, plain = make(draft_dir, TREE, **rows_for_four), make(draft_dir, TREE)
+    scratch, find_scratch = [], proposer._scratch_extents
+    proposer._scratch_extents = lambda base, forks: scratch.append(find_scratch(base, forks)) or scratch[-1]
     cache, rows = SpecCache(proposer, SpecCacheConfig(max_outcomes=3)), proposer.runner.cache
     assert supports_speculation(proposer) and rows.free_rows == rows.total_rows
     ctxs = contexts(4, seed=5)
@@ -253,6 +258,7 @@ def test_speculation_takes_no_rows_and_leaks_none_over_many_rounds(draft_dir):
             assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
         updates = nxt
     assert cache.stats.hits >= 10 and cache.stats.misses >= 10, cache.stats
+    assert scratch and (None in scratch) == serial  # (serial: until the eviction frees room)
     assert trees[3].num_nodes == 1  # evicted: root-only, its extent freed
     proposer.propose([update(i, [1], proposer=proposer, finished=True) for i in range(4)])
     assert rows.free_rows == rows.total_rows and proposer.num_sequences == 0
