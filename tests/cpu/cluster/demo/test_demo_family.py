@@ -64,13 +64,11 @@ def test_cli_second_build_returns_from_cache_under_two_seconds(tiny_family, outr
     import subprocess
     import sys
 
+    command = [sys.executable, "-m", "cluster.cli", "demo", "build", "--size", "tiny", "--quiet"]
+    # The first call builds whatever draft heads the session has not built yet (untimed).
+    subprocess.run(command, capture_output=True, text=True, check=True)
     start = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "demo", "build", "--size", "tiny", "--quiet"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
     assert time.monotonic() - start < 2.0, "a cache hit must not import torch or train anything"
     assert str(tiny_family.root) in result.stdout
     assert "building" not in result.stdout + result.stderr
