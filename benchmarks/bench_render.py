@@ -119,6 +119,8 @@ def markdown(report: dict, plots: list[str]) -> str:
             else ""
         ),
         "",
+        *[f"- {line}" for line in caveats(report)],
+        "",
         "## Methods",
         "",
         markdown_table(report["results"], METHOD_COLUMNS),
@@ -164,6 +166,35 @@ def markdown(report: dict, plots: list[str]) -> str:
         "",
     ]
     return "\n".join(out)
+
+
+def caveats(report: dict) -> list[str]:
+    """What the numbers of this run do not say, read off the numbers themselves."""
+    lines = []
+    rows = {(r["method"], r["prompt_set"], r["temperature"]): r for r in report["results"]}
+    peers = {(p["name"], p["prompt_set"], p["temperature"]): p for p in report["peers"]}
+    for (method, prompt_set, temperature), row in rows.items():
+        if method == "plain" and row["looping_share"] > 0.5:
+            lines.append(
+                f"At T = {temperature:g} on `{prompt_set}`, {row['looping_share']:.0%} of plain decoding's "
+                "outputs loop (> 50% repeated 4-grams): that cell's tau and speedups are measured on "
+                "loops, which inflate acceptance (prompt lookup's most of all)"
+                + (
+                    "; no output escaped a loop, so tau_non_looping is empty."
+                    if row["looping_share"] == 1
+                    else "."
+                )
+            )
+    for (name, prompt_set, temperature), peer in peers.items():
+        ours = rows.get(("draft_model-chain", prompt_set, temperature))
+        if name == "hf-assisted" and temperature > 0 and ours:
+            lines.append(
+                f"At T = {temperature:g} on `{prompt_set}`, with the same draft LM, `transformers` assisted "
+                f"generation needs {peer['target_forwards_per_token']:.2f} target forwards per output token "
+                f"and `draft_model-chain` {ours['target_forwards_per_token']:.2f} (first-position acceptance "
+                f"{ours['accept_per_pos'][0] if ours['accept_per_pos'] else 0:.2f})."
+            )
+    return lines
 
 
 def _first(rows: list[dict], key: str) -> list[dict]:
@@ -269,3 +300,10 @@ def _save(fig, stem: Path, suffix: str) -> Path:
     path = stem.with_name(f"{stem.name}_{suffix}.png")
     fig.savefig(path, dpi=110)
     return path
+
+
+if __name__ == "__main__":  # re-render a report's Markdown and plots from its JSON
+    import sys
+
+    for arg in sys.argv[1:]:
+        print(*write_outputs(json.loads(Path(arg).read_text()), Path(arg)), sep="\n")
