@@ -6,6 +6,9 @@ interleaved sweep as Outrider's methods (same process, same torch threads, same 
     hf-plain          generate(), greedy or sampled
     hf-assisted       generate(assistant_model=<draft LM>), its assisted generation at its
                       defaults (transformers' num_assistant_tokens / confidence cut-off)
+    hf-assisted-k4    the same, tuned like Outrider's draft_model-chain: 4 draft tokens per
+                      round, no confidence cut-off (set on the assistant's generation_config,
+                      which is where transformers reads them)
     hf-prompt-lookup  generate(prompt_lookup_num_tokens=K), its n-gram prompt lookup
 
 EOS is ignored as in Outrider's runs (`min_new_tokens = max_new_tokens`). At T = 1 sampling
@@ -23,6 +26,12 @@ from pathlib import Path
 import torch
 
 PROMPT_LOOKUP_TOKENS = 4
+# hf-assisted-k4: the assistant's generation_config during the call (0 = no confidence cut-off).
+ASSISTED_K4 = {
+    "num_assistant_tokens": 4,
+    "num_assistant_tokens_schedule": "constant",
+    "assistant_confidence_threshold": 0.0,
+}
 
 
 @dataclass
@@ -70,7 +79,8 @@ class HFPeers:
         self.draft_calls = _ForwardCounter(self.draft) if self.draft is not None else None
 
     def names(self) -> list[str]:
-        return ["hf-plain", *(["hf-assisted"] if self.draft is not None else []), "hf-prompt-lookup"]
+        assisted = ["hf-assisted", "hf-assisted-k4"] if self.draft is not None else []
+        return ["hf-plain", *assisted, "hf-prompt-lookup"]
 
     def config(self, name: str) -> dict:
         """What each peer passes to `generate()` besides the sampling settings (for the report)."""
@@ -84,6 +94,8 @@ class HFPeers:
             return {"assistant_model": "<draft LM>"} | {
                 k: getattr(cfg, k) if getattr(cfg, k) is not None else defaults.get(k) for k in keys
             }
+        if name == "hf-assisted-k4":
+            return {"assistant_model": "<draft LM>", **ASSISTED_K4}
         if name == "hf-prompt-lookup":
             return {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
         return {}
@@ -93,7 +105,7 @@ class HFPeers:
         self, name: str, prompt: list[int], max_tokens: int, temperature: float, seed: int
     ) -> PeerRun:
         extra: dict = {}
-        if name == "hf-assisted":
+        if name in ("hf-assisted", "hf-assisted-k4"):
             extra["assistant_model"] = self.draft
         elif name == "hf-prompt-lookup":
             extra["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
@@ -106,19 +118,28 @@ class HFPeers:
         self.target_calls.reset()
         if self.draft_calls is not None:
             self.draft_calls.reset()
-        started = time.perf_counter()
-        out = self.target.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            pad_token_id=self.pad_token_id,
-            **extra,
-        )
-        seconds = time.perf_counter() - started
+        saved = {}
+        if name == "hf-assisted-k4":
+            saved = {k: getattr(self.draft.generation_config, k) for k in ASSISTED_K4}
+            for key, value in ASSISTED_K4.items():
+                setattr(self.draft.generation_config, key, value)
+        try:
+            started = time.perf_counter()
+            out = self.target.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                pad_token_id=self.pad_token_id,
+                **extra,
+            )
+            seconds = time.perf_counter() - started
+        finally:
+            for key, value in saved.items():
+                setattr(self.draft.generation_config, key, value)
         return PeerRun(
             tokens=out[0, len(prompt) :].tolist(),
             seconds=seconds,
             target_forwards=self.target_calls.calls,
-            draft_s=self.draft_calls.seconds if name == "hf-assisted" else 0.0,
+            draft_s=self.draft_calls.seconds if "assisted" in name else 0.0,
         )

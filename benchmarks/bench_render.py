@@ -22,6 +22,7 @@ METHOD_COLUMNS = [
     "speedup_vs_plain",
     "speedup_paired",
     "speedup_vs_hf_assisted",
+    "speedup_vs_hf_assisted_k4",
     "acceptance_length",
     "tau_non_looping",
     "looping_share",
@@ -87,6 +88,11 @@ def markdown(report: dict, plots: list[str]) -> str:
                 f"**{vs_assisted:.2f}x** `transformers` assisted generation"
                 if vs_assisted
                 else "no assisted peer"
+            )
+            + (
+                f" ({line['speedup_vs_hf_assisted_k4']:.2f}x its tuned 4-token variant)"
+                if line.get("speedup_vs_hf_assisted_k4")
+                else ""
             )
             + (
                 f", {line['speedup_vs_hf_plain']:.2f}x `transformers` plain"
@@ -187,10 +193,9 @@ def caveats(report: dict) -> list[str]:
             )
     for (name, prompt_set, temperature), peer in peers.items():
         ours = rows.get(("draft_model-chain", prompt_set, temperature))
-        if name == "hf-assisted" and temperature > 0 and ours:
+        if name.startswith("hf-assisted") and temperature > 0 and ours:
             lines.append(
-                f"At T = {temperature:g} on `{prompt_set}`, with the same draft LM, `transformers` assisted "
-                f"generation needs {peer['target_forwards_per_token']:.2f} target forwards per output token "
+                f"At T = {temperature:g} on `{prompt_set}`, with the same draft LM, `{name}` needs {peer['target_forwards_per_token']:.2f} target forwards per output token "
                 f"and `draft_model-chain` {ours['target_forwards_per_token']:.2f} (first-position acceptance "
                 f"{ours['accept_per_pos'][0] if ours['accept_per_pos'] else 0:.2f})."
             )

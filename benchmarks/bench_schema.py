@@ -21,6 +21,7 @@ _DECODE = {
     "speedup_paired": {"type": "number", "exclusiveMinimum": 0},
     "speedup_vs_hf_plain": _NUM_OR_NULL,
     "speedup_vs_hf_assisted": _NUM_OR_NULL,
+    "speedup_vs_hf_assisted_k4": _NUM_OR_NULL,
     "acceptance_length": _NUM_OR_NULL,
     "tau_non_looping": _NUM_OR_NULL,
     "accept_per_pos": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1}},
@@ -103,6 +104,7 @@ SCHEMA = {
                     "speedup_vs_plain": _NUM,
                     "speedup_vs_hf_plain": _NUM_OR_NULL,
                     "speedup_vs_hf_assisted": _NUM_OR_NULL,
+                    "speedup_vs_hf_assisted_k4": _NUM_OR_NULL,
                 },
             },
         },
@@ -111,7 +113,10 @@ SCHEMA = {
             "type": "array",
             "items": {
                 "type": "object",
-                "properties": {"name": {"enum": ["hf-plain", "hf-assisted", "hf-prompt-lookup"]}, **_DECODE},
+                "properties": {
+                    "name": {"enum": ["hf-plain", "hf-assisted", "hf-assisted-k4", "hf-prompt-lookup"]},
+                    **_DECODE,
+                },
                 "required": ["name", *_DECODE_REQUIRED],
             },
         },

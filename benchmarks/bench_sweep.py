@@ -148,7 +148,8 @@ def compare(results: list[dict], peers: list[dict]) -> None:
     by = {(p["name"], p["prompt_set"], p["temperature"]): p["tokens_per_s"] for p in peers}
     for row in results + peers:
         key = (row["prompt_set"], row["temperature"])
-        for peer, field in (("hf-plain", "speedup_vs_hf_plain"), ("hf-assisted", "speedup_vs_hf_assisted")):
+        for peer in ("hf-plain", "hf-assisted", "hf-assisted-k4"):
+            field = "speedup_vs_" + peer.replace("-", "_")
             theirs = by.get((peer, *key))
             row[field] = row["tokens_per_s"] / theirs if theirs else None
 
@@ -172,6 +173,7 @@ def headline(results: list[dict], temperatures: list[float], prompt_set: str) ->
                 "speedup_vs_plain": best["speedup_vs_plain"],
                 "speedup_vs_hf_plain": best["speedup_vs_hf_plain"],
                 "speedup_vs_hf_assisted": best["speedup_vs_hf_assisted"],
+                "speedup_vs_hf_assisted_k4": best["speedup_vs_hf_assisted_k4"],
             }
         )
     return lines

@@ -72,8 +72,8 @@ def test_bench_quick_json(tiny_family, quick_heads, tmp_path, capsys):
             assert row["target_forwards_per_token"] < 1.0
 
     peers = {(p["name"], p["prompt_set"], p["temperature"]) for p in report["peers"]}
-    assert {name for name, _, _ in peers} == {"hf-plain", "hf-assisted", "hf-prompt-lookup"}
-    assert len(peers) == 12
+    assert {name for name, _, _ in peers} == {"hf-plain", "hf-assisted", "hf-assisted-k4", "hf-prompt-lookup"}
+    assert len(peers) == 16
     hf_plain = [p for p in report["peers"] if p["name"] == "hf-plain"]
     assert all(p["target_forwards_per_token"] == 1.0 for p in hf_plain)
     assert [line["temperature"] for line in report["headline"]] == [0.0, 1.0]
