@@ -313,6 +313,10 @@ class Engine:
         """p for every tree node: [total_nodes, vocab], each node under its request's params."""
         cu = plan.trees.cu_num_draft_tokens
         params = [s.params for s in plan.verified]
+        if self.runner.device.type == "cpu" and all(q.temperature == 0 for q in params):
+            # All greedy: verification reads only each node's argmax, which the raw logits
+            # already have (the CPU verifier's greedy scan); skip the softmax over the vocabulary.
+            return logits[: int(cu[-1])]
         # [B, 4]: temperature, top_k, top_p, min_p per sequence, then per node.
         table = torch.tensor([[q.temperature, q.top_k, q.top_p, q.min_p] for q in params], device=cu.device)
         if plan.trees.max_num_nodes > 1:
