@@ -260,23 +260,37 @@ def plot(report: dict, stem: Path) -> list[Path]:
     paths.append(_save(fig, stem, "methods"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    tree = [r for r in report["tree_sweep"] if r["method"] != "plain"]
+    tree = sorted((r for r in report["tree_sweep"] if "-tree" in r["method"]), key=lambda r: r["tree_nodes"])
+    chain = [r for r in report["tree_sweep"] if r["method"].endswith("-chain")]
     if tree:
-        tree.sort(key=lambda r: r["tree_nodes"])
+        nodes = [r["tree_nodes"] for r in tree]
         ax.plot(
-            [r["tree_nodes"] for r in tree],
-            [r["speedup_vs_plain"] for r in tree],
-            "o-",
-            label="speedup vs plain",
+            nodes, [r["speedup_vs_plain"] for r in tree], "o-", color="C0", label="speedup vs plain (tree)"
         )
-        ax.plot(
-            [r["tree_nodes"] for r in tree], [r["acceptance_length"] or 0 for r in tree], "s--", label="tau"
-        )
+        ax.plot(nodes, [r["acceptance_length"] or 0 for r in tree], "s--", color="C1", label="tau (tree)")
+        for r in chain:
+            ax.plot(
+                [r["tree_nodes"]],
+                [r["speedup_vs_plain"]],
+                "D",
+                color="C0",
+                mfc="none",
+                label="speedup (chain)",
+            )
+            ax.plot(
+                [r["tree_nodes"]],
+                [r["acceptance_length"] or 0],
+                "D",
+                color="C1",
+                mfc="none",
+                label="tau (chain)",
+            )
         ax.set_xscale("log", base=2)
-        ax.legend()
+        ax.legend(fontsize=8)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("nodes verified per round (chain = draft tokens + 1)")
-    ax.set_title(f"tree size: {report['meta'].get('tree_sweep_method')}, T=0")
+    method = (report["meta"].get("tree_sweep_method") or "").split("-tree")[0]
+    ax.set_title(f"tree budget: {method}, `{report['meta']['primary_prompt_set']}`, T=0")
     fig.tight_layout()
     paths.append(_save(fig, stem, "tree_size"))
 
