@@ -350,12 +350,15 @@ class Engine:
         output_ids = res.output_token_ids.tolist()
         accepted = res.accepted_node_ids.tolist()
         cu = plan.forward.cu_seqlens
+        tree_cu = plan.trees.cu_num_draft_tokens
+        tree_sizes = (tree_cu[1:] - tree_cu[:-1]).tolist()
         outputs = []
         for b, seq in enumerate(plan.verified):
             if features is not None:
                 # Rows that predicted each new token: prompt chunk rows before the root, the
                 # root, then the accepted nodes (all but the last new token's predecessor).
-                root = cu[b + 1] - 1 if plan.forward.attn_masks[b] is None else cu[b]
+                # A tree (or chain) is the chunk's last rows: a prompt chunk ends in its root.
+                root = cu[b + 1] - tree_sizes[b]
                 path = [root + node for node in accepted[b][: num_output[b] - 1]]
                 self._keep_features(seq, features[[*range(cu[b], root + 1), *path]])
             # The root and the accepted nodes are now cached; the last new token is the next root.

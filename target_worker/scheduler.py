@@ -67,8 +67,13 @@ def plan_round(
 ) -> RoundPlan:
     verified, trees, chunks = [], [], []
     for seq, tree in decoding:
-        parents = tree.parents if tree.num_nodes > 1 else None  # one node: a decode, no mask needed
-        chunks.append(SequenceChunk(seq.cache_start, seq.num_cached, tree.tokens, parents=parents))
+        # A chain (node i under node i - 1; one node is a decode) needs no tree mask: plain
+        # causal attention over its rows gives the same result without building one.
+        chain = bool(torch.equal(tree.parents, torch.arange(-1, tree.num_nodes - 1)))
+        parents = None if chain else tree.parents
+        chunks.append(
+            SequenceChunk(seq.cache_start, seq.num_cached, tree.tokens, parents=parents, all_logits=True)
+        )
         verified.append(seq)
         trees.append(tree)
     partial, partial_chunks, budget = [], [], max_prefill_tokens
