@@ -251,6 +251,9 @@ class DraftBatcher:
             if any(u.finished for u in batch.values()):
                 self.spec_cache.retired()
             hits = {u.seq_id: self.spec_cache.lookup(u) for u in batch.values()}
+            for update in batch.values():  # a hit's round is speculated on like a drafted one
+                if hits[update.seq_id] is not None:
+                    self.spec_cache.schedule(update, hits[update.seq_id])
             self._send([t for t in hits.values() if t is not None])
             batch = {i: u for i, u in batch.items() if hits[i] is None}
         if batch:

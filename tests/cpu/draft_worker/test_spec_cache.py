@@ -235,3 +235,33 @@ def test_greedy_output_with_the_cache_equals_speculation_off(tiny_family, runner
     assert on.spec_cache_saved_s > 0 and on.spec_drafting_s > 0
     assert (off.spec_cache_hits, off.spec_cache_misses) == (0, 0)
     assert on.spec_cache_hits + on.spec_cache_misses <= on.trees_sent == off.trees_sent
+
+
+def test_the_server_keeps_hitting_round_after_round_on_a_predictable_sequence():
+    """A hit's round is speculated on too: when every guess comes true, every round after the
+    first is answered from the cache (before, hits could only alternate with misses)."""
+    from draft_worker.server import DraftBatcher
+
+    proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
+    limits = Limits(max_batch=8, max_nodes=8, max_depth=4, max_top_k=2)
+    batcher = DraftBatcher(proposer, DraftIdentity("ngram", VOCAB, "fp"), limits, SpecCacheConfig())
+    stream = batcher.open_stream()
+    pattern = [3, 7, 9, 11] * 40
+    sent, rounds = 12, 8
+    try:
+        from proto import DraftRequest
+
+        for round in range(1, rounds + 1):
+            new = pattern[:sent] if round == 1 else pattern[sent - 5 : sent]  # 4 accepted + a bonus
+            update = make_update(1, round, new, reset=round == 1)
+            batcher.submit(stream, DraftRequest([update]).to_proto())
+            (tree,) = stream.outbox.get(timeout=10).trees
+            assert list(tree.tokens[1:5]) == pattern[sent : sent + 4]  # the whole chain is right
+            sent += 5
+            deadline = time.monotonic() + 10  # let the idle drafter pre-draft the next round
+            while batcher.spec_cache.has_work():
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        assert batcher.stats.spec_cache_hits == rounds - 1
+    finally:
+        batcher.stop()
