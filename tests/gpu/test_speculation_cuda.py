@@ -64,7 +64,7 @@ def test_greedy_speculation_equals_plain_on_cuda(setup, method):
         config["model"] = str(family.draft_dir)
     elif method in head_methods():
         config["model"] = str(ensure_demo_heads(family, [method], progress=False)[method])
-    if method not in ("ngram", "mtp"):
+    if method != "ngram":
         config |= {"tree_top_k": 2, "tree_max_nodes": 12}
     proposer = build_proposer(config, vocab_size=runner.model.vocab_size, device="cuda")
     plain, _ = _generate(runner, prompts, None)
