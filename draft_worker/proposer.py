@@ -67,6 +67,15 @@ class Proposer(abc.ABC, Generic[StateT]):
         """What the target must send with each new token; the default is nothing."""
         return FeatureSpec()
 
+    def feature_projection(self) -> torch.Tensor | None:
+        """The fc [H, len(layer_ids) * H] the target applies when `feature_spec.projected`.
+
+        EAGLE-style drafters publish their input projection so the target sends H values per
+        token instead of the raw concatenation; their `extend` then receives projected rows.
+        None (the default) = this drafter consumes raw features or none.
+        """
+        return None
+
     @property
     def num_sequences(self) -> int:
         """Sequences whose draft state is held."""
