@@ -1,7 +1,8 @@
 """Training Medusa-1 heads (arXiv 2401.10774) on a frozen target, for `draft_worker.medusa`.
 
     outrider train-draft --method medusa --target DIR --out DIR --steps 300
-    method_options: num_heads (4), num_layers (1), positions (512 per step), loss ("distill" | "ce"),
+    method_options: num_heads (4), num_layers (1), positions (per step; 64 x batch_size),
+                    loss ("distill" | "ce"),
                     train_lm_head (False: every head keeps the target's lm_head, frozen and shared;
                     True: Medusa-1's private copies, trained too)
 
@@ -141,7 +142,15 @@ def save_medusa(out_dir: str | Path, heads: MedusaHeads, config: dict) -> Path:
 
 @register_trainer("medusa")
 def train_medusa(args: TrainArgs, data: DistillData) -> dict:
-    defaults = {"num_heads": 4, "num_layers": 1, "positions": 512, "loss": "distill", "train_lm_head": False}
+    # positions: hidden states per step, sampled over the whole data; default 64 per sequence of
+    # `batch_size` (rows of one sequence are strongly correlated, so they are not taken together).
+    defaults = {
+        "num_heads": 4,
+        "num_layers": 1,
+        "positions": 64 * args.batch_size,
+        "loss": "distill",
+        "train_lm_head": False,
+    }
     options = defaults | dict(args.method_options)
     if set(options) - set(defaults) or options["loss"] not in ("distill", "ce"):
         raise ValueError(
