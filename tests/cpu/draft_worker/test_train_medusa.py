@@ -149,3 +149,58 @@ def test_sampling_with_trained_heads_is_seeded_and_accepts(setup):
     first, stats = sampled()
     assert stats.num_invalid_trees == 0 and stats.spec.num_accepted_tokens > 0
     assert sampled()[0] == first
+
+
+def next_token_probs(fam, sequences: list[list[int]], start: int, count: int) -> torch.Tensor:
+    """[N, count, V]: the target's p (T = 1) of token start + j given the tokens before it."""
+    from target_worker.batch import SequenceChunk, build_forward_batch
+
+    n, length = len(sequences), len(sequences[0])
+    runner = ModelRunner.from_pretrained(fam.target_dir, max_model_len=length, kv_cache_rows=n * length)
+    chunks = [
+        SequenceChunk(runner.cache.allocate(i, length), 0, torch.tensor(s), all_logits=True)
+        for i, s in enumerate(sequences)
+    ]
+    logits = runner.forward(build_forward_batch(chunks)).logits.view(n, length, -1)
+    return logits[:, start - 1 : start - 1 + count].float().softmax(-1)
+
+
+def test_sampled_tokens_follow_the_target_on_the_tiny_family(setup):
+    """As test_engine_drafting's TV test: N sequences sample K tokens from one prompt through the
+    engine with the trained heads; every token's frequency is checked against the target's p
+    averaged over the prefixes drawn (Hoeffding, 15 likeliest tokens + the Scheffe set against
+    the heads' own q). The heads' q of token j >= 1 in the first round is head j-1 on the state
+    that predicted token 0, the same for every sequence; it must differ from p by more than
+    2 eps, or the test could not tell target from draft. Coarse by design (N = 1200): it
+    catches the draft's q leaking into the output, not a subtly wrong residual (q rows sent as
+    uniform pass here); the two-token test in test_medusa.py is the sensitive one."""
+    import math
+
+    from target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
+
+    fam, args, _, prompts = setup
+    n, k, delta = 1200, 4, 1e-3  # eps = 0.07; the heads sit ~0.17 in TV from the target here
+    prompt = prompts[2][:24]
+    params = [RequestParams(max_tokens=k, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    runner = ModelRunner.from_pretrained(fam.target_dir, max_model_len=40, kv_cache_rows=n * 48)
+    spec = {"method": "medusa", "model": args.out_dir, "num_speculative_tokens": 3, "tree_top_k": 3}
+    proposer = build_proposer(spec | {"tree_max_nodes": 10}, vocab_size=runner.model.vocab_size)
+    engine = Engine(
+        runner, InProcessDraftSource(proposer), eos_token_id=None, max_batch=n, max_prefill_tokens=n * 48
+    )
+    out = torch.tensor([c.token_ids for c in engine.generate([prompt] * n, params)])  # [N, K]
+    assert engine.stats.spec.num_accepted_tokens > 0 and engine.stats.num_invalid_trees == 0
+
+    p_bar = next_token_probs(fam, [prompt + row[:-1] for row in out.tolist()], len(prompt), k).mean(0)
+    probe = ModelRunner.from_pretrained(fam.target_dir, max_model_len=40, kv_cache_rows=64)
+    chunk = SequenceChunk(probe.cache.allocate(0, len(prompt)), 0, torch.tensor(prompt))
+    hidden = probe.forward(build_forward_batch([chunk], HiddenCapture(final=True))).final_hidden[-1]
+    q_bar = torch.cat([p_bar[:1], proposer.heads(hidden[None])[0].float().softmax(-1)[: k - 1]])  # [K, V]
+
+    freq = torch.zeros_like(p_bar).scatter_add_(1, out.T, torch.ones(k, n)) / n
+    top = p_bar.topk(15, dim=1).indices
+    eps = math.sqrt(math.log(2 * k * 16 / delta) / (2 * n))
+    assert float((freq.gather(1, top) - p_bar.gather(1, top)).abs().max()) <= eps
+    assert float(((freq - p_bar) * (p_bar > q_bar)).sum(1).abs().max()) <= eps
+    tv_draft = 0.5 * (p_bar - q_bar).abs().sum(1)[1:]  # the Scheffe gap if the heads' q leaked
+    assert float(tv_draft.min()) > 2 * eps, (tv_draft, eps)
