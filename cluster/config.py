@@ -219,6 +219,11 @@ class TreeBudgetArgs(_Strict):
     max_nodes: int = Field(16, ge=1, description="Nodes per tree, root included.")
     max_depth: int = Field(8, ge=1, description="Draft tokens on any root-to-leaf path.")
     top_k: int = Field(4, ge=1, description="Children per node.")
+    q_width: int = Field(
+        32,
+        ge=1,
+        description="Entries per sparse q row of sampled trees (wider: more of q, higher acceptance).",
+    )
 
 
 class OutriderArgs(_Strict):

@@ -56,7 +56,7 @@ class TargetWorker:
             self.draft_source,
             eos_token_id=model.eos_token_id,
             max_batch=engine_args.max_num_seqs,
-            tree_budget=TreeBudget(budget.max_nodes, budget.max_depth, budget.top_k)
+            tree_budget=TreeBudget(budget.max_nodes, budget.max_depth, budget.top_k, budget.q_width)
             if budget
             else DEFAULT_TREE_BUDGET,
             draft_timeout_s=self.args.draft_pool.round_deadline_ms / 1000,
@@ -272,6 +272,7 @@ def build_draft_source(args: OutriderArgs, model: ServedModel, runner, app_name:
             max_nodes=budget.max_nodes if budget else 32,
             max_depth=budget.max_depth if budget else 8,
             max_top_k=budget.top_k if budget else 8,
+            max_q_width=budget.q_width if budget else 32,
         ),
         method=spec["method"],
     )

@@ -10,6 +10,10 @@ Common keys (every method):
     tree_max_depth          default: num_speculative_tokens
     tree_top_k              children per node and q row width; default 1 (a chain)
     tree_max_nodes          nodes per tree, root included; default 1 + depth * top_k
+    tree_q_width            entries per sparse q row sent with sampled trees (>= top_k);
+                            default 32: a sampled child is drawn from a row holding q's 32
+                            likeliest tokens, so verification accepts it with probability
+                            ~ sum(min(p, q)) rather than p(x) alone (a one-entry row)
     draft_sampling          how model-based proposers draw children at T > 0:
                             "without_replacement" (default), "with_replacement", "deterministic"
 
@@ -34,6 +38,7 @@ COMMON_KEYS = (
     "tree_max_depth",
     "tree_top_k",
     "tree_max_nodes",
+    "tree_q_width",
     "draft_sampling",
 )
 
@@ -42,6 +47,11 @@ _SAMPLING_NAMES = {
     "with_replacement": DraftSampling.WITH_REPLACEMENT,
     "without_replacement": DraftSampling.WITHOUT_REPLACEMENT,
 }
+
+
+DEFAULT_Q_WIDTH = (
+    32  # entries per sampled q row (small family, T = 1: tau 1.25 at 1 entry, 1.88 at 16, 2.11 at 32)
+)
 
 
 @dataclass(frozen=True)
@@ -74,11 +84,13 @@ class SpeculativeConfig:
         depth = config.get("tree_max_depth", num_tokens)
         top_k = config.get("tree_top_k", 1)
         max_nodes = config.get("tree_max_nodes", 1 + depth * top_k)
+        q_width = config.get("tree_q_width", DEFAULT_Q_WIDTH)
         for name, value, least in (
             ("num_speculative_tokens", num_tokens, 1),
             ("tree_max_depth", depth, 1),
             ("tree_top_k", top_k, 1),
             ("tree_max_nodes", max_nodes, 2),
+            ("tree_q_width", q_width, 1),
         ):
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"speculative config: {name} = {value!r} must be an integer >= {least}")
@@ -91,7 +103,7 @@ class SpeculativeConfig:
         return cls(
             method=method,
             num_speculative_tokens=num_tokens,
-            budget=TreeBudget(max_nodes=max_nodes, max_depth=depth, top_k=top_k),
+            budget=TreeBudget(max_nodes=max_nodes, max_depth=depth, top_k=top_k, q_width=max(q_width, top_k)),
             sampled_mode=_SAMPLING_NAMES[sampling_name],
             options=options,
         )

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -274,8 +274,8 @@ class DraftModelProposer(Proposer[DraftModelState]):
                 budget = self.budget(updates[b])
                 room = self.max_model_len - states[b].cached  # positions left after the root
                 depth = min(budget.max_depth, room)
-                budgets[b] = TreeBudget(budget.max_nodes, depth, budget.top_k) if depth > 0 else NO_DRAFT
-        if all(b.top_k <= 1 for b in budgets):
+                budgets[b] = replace(budget, max_depth=depth) if depth > 0 else NO_DRAFT
+        if all(b.top_k <= 1 for b in budgets) and all(u.sampling.greedy for u in updates):
             return self._draft_chains(updates, states, budgets, root_logits)
         scratch = _TreeScratch(self, states)
         return build_trees(

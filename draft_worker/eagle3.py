@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -260,7 +260,7 @@ class Eagle3Proposer(Proposer[EagleState]):
         for b in drafting:
             budget = self.budget(updates[b])
             depth = min(budget.max_depth, self.max_model_len - states[b].cached)
-            budgets[b] = TreeBudget(budget.max_nodes, depth, budget.top_k) if depth > 0 else NO_DRAFT
+            budgets[b] = replace(budget, max_depth=depth) if depth > 0 else NO_DRAFT
         return budgets
 
     @torch.inference_mode()
@@ -272,7 +272,7 @@ class Eagle3Proposer(Proposer[EagleState]):
         hidden[drafting] = self._prefill([states[b] for b in drafting]).to(hidden.dtype)
         hidden = hidden.to(self.head.fc.weight.dtype)
         budgets = self._budgets(updates, states, drafting)
-        if all(b.top_k <= 1 for b in budgets):
+        if all(b.top_k <= 1 for b in budgets) and all(u.sampling.greedy for u in updates):
             return self._draft_chains(updates, states, budgets, hidden)
         return build_trees(
             updates,

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -60,7 +60,7 @@ import torch
 from draft_worker.draft_model import NO_DRAFT, _TreeScratch, chain_tree, draft_vocabulary
 from draft_worker.proposer import Proposer, register_proposer, root_only_tree
 from draft_worker.tree_builder import Frontier, build_trees, draft_generator
-from proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate, TreeBudget
+from proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate
 from target_worker.batch import ForwardBatch, ForwardOutput, SequenceChunk, build_forward_batch
 from target_worker.kv_cache import CacheFullError, KVCache, KVSpec
 from target_worker.layers.attention import SeqAttention, plan_attention
@@ -234,12 +234,12 @@ class MTPProposer(Proposer[MTPState]):
             budget = self.budget(updates[b])
             depth = min(budget.max_depth, self.max_model_len - len(states[b].tokens))
             if depth > 0 and budget.max_nodes > 1 and budget.top_k > 0:
-                budgets[b] = TreeBudget(budget.max_nodes, depth, budget.top_k)
+                budgets[b] = replace(budget, max_depth=depth)
         drafting = [b for b in drafting if budgets[b] is not NO_DRAFT]
         if not drafting:
             return [root_only_tree(u) for u in updates]
         logits, hidden = self._prefill([states[b] for b in drafting])
-        if all(budgets[b].top_k == 1 for b in drafting):
+        if all(budgets[b].top_k == 1 and updates[b].sampling.greedy for b in drafting):
             lengths = [min(b.max_depth, b.max_nodes - 1) for b in budgets]
             return self._draft_chains(updates, states, lengths, drafting, logits, hidden)
         root_logits = torch.zeros(len(updates), logits.shape[1], dtype=logits.dtype, device=logits.device)

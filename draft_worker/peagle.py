@@ -62,8 +62,8 @@ class PEagleProposer(Eagle3Proposer):
         live = [b for b in drafting if budgets[b].max_depth > 0]
         if live:
             logits[live, :depth] = self._parallel_logits([states[b] for b in live], depth)
-        if all(b.top_k <= 1 for b in budgets):
-            return self._chains(updates, budgets, logits)
+        if all(b.top_k <= 1 for b in budgets) and all(u.sampling.greedy for u in updates):
+            return self._chains(updates, budgets, logits)  # sampled chains: the builder's wide q rows
 
         def position_logits(frontier: Frontier) -> torch.Tensor:  # [rows, vocab]: position d's
             return logits[frontier.seq_index.to(self.device), frontier.depth]

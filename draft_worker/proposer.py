@@ -154,6 +154,7 @@ class Proposer(abc.ABC, Generic[StateT]):
             max_nodes=min(ours.max_nodes, theirs.max_nodes),
             max_depth=min(ours.max_depth, theirs.max_depth),
             top_k=min(ours.top_k, theirs.top_k),
+            q_width=min(ours.row_width, theirs.row_width),
         )
 
     @abc.abstractmethod

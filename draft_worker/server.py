@@ -503,7 +503,7 @@ def serve(
     from grpc_reflection.v1alpha import reflection
 
     budget = proposer.config.budget
-    limits = Limits(max_batch, budget.max_nodes, budget.max_depth, budget.top_k)
+    limits = Limits(max_batch, budget.max_nodes, budget.max_depth, budget.top_k, budget.row_width)
     servicer = DraftServicer(DraftBatcher(proposer, identity, limits, speculation_cache))
     workers = max_streams + 8
     interceptors = [TokenInterceptor(token)] if token else []

@@ -22,10 +22,12 @@ top_k k, per sequence and per round):
     rerank, N = 5: root a b aa ba
 
 Children and q. At temperature 0 children are the top-k tokens of softmax(logits) and the tree
-is DETERMINISTIC. At T > 0 the q row is the top-k of process_logits(logits) with the sequence's
-own temperature/top-k/top-p/min-p, renormalised, and children are drawn from exactly that row
-(with or without replacement, as `sampled_mode` says, or its top-k when DETERMINISTIC); the row
-sent is the row drawn from, which is what makes verification lossless.
+is DETERMINISTIC. At T > 0 the q row is the top-W of process_logits(logits) with the sequence's
+own temperature/top-k/top-p/min-p, renormalised (W = the budget's q_width, >= k), and the k
+children are drawn from exactly that row (with or without replacement, as `sampled_mode` says,
+or its top-k when DETERMINISTIC); the row sent is the row drawn from, which is what makes
+verification lossless. A wide row matters most for chains: a child drawn from a one-entry row
+(a point mass) is accepted with probability p(x), from a W-entry row with ~ sum(min(p, q_W)).
 
 Why sibling weights, not the drawn token's probability. A sampled child must be a fresh draw
 from q *whether or not it is kept*: if the rerank kept a drawn child because its own token
@@ -129,8 +131,12 @@ def build_trees(
         return [root_only_tree(u) for u in updates]
     width, depth_limit = int(top_k[active].max()), int(max_depth[active].max())
     modes = [DraftSampling.DETERMINISTIC if u.sampling.greedy else sampled_mode for u in updates]
-    expander = _Expander(updates, modes, top_k, width, device)
-    noise = _draw_uniforms(budgets, modes, generators, width, depth_limit).to(device)
+    # Entries of each sequence's q rows: the budget's q_width when its children are drawn.
+    row_widths = [_row_width(b, m) for b, m in zip(budgets, modes, strict=True)]
+    row_width = max(w for w, a in zip(row_widths, active.tolist(), strict=True) if a)
+    q_width = torch.tensor(row_widths, device=device)
+    expander = _Expander(updates, modes, top_k, width, q_width, row_width, device)
+    noise = _draw_uniforms(budgets, modes, generators, width, row_width, depth_limit).to(device)
 
     roots = torch.stack([u.new_tokens[-1] for u in updates]).to(device)  # [batch]
     seq = active.nonzero().squeeze(1)
@@ -163,6 +169,11 @@ def build_trees(
     return _assemble(updates, budgets, modes, levels, q_rows, max_drafts)
 
 
+def _row_width(budget: TreeBudget, mode: DraftSampling) -> int:
+    """Entries per q row: top-k rows for DETERMINISTIC trees, q_width ones when children are drawn."""
+    return budget.top_k if mode == DraftSampling.DETERMINISTIC else budget.row_width
+
+
 class _Expander:
     """Children of frontier nodes: each node's q row, its children's tokens and scores."""
 
@@ -172,6 +183,8 @@ class _Expander:
         modes: Sequence[DraftSampling],
         top_k: torch.Tensor,  # [batch] int64; children per node of each sequence
         width: int,  # max of top_k
+        q_width: torch.Tensor,  # [batch] int64; entries of each sequence's q rows (>= its top_k)
+        row_width: int,  # max of q_width
         device: torch.device,
     ) -> None:
         params = [u.sampling for u in updates]
@@ -182,6 +195,7 @@ class _Expander:
         self.min_p = torch.tensor([0.0 if s.greedy else s.min_p for s in params], device=device)
         self.mode = torch.tensor([int(m) for m in modes], device=device)  # [batch]
         self.children_per_node, self.width = top_k, width
+        self.q_width, self.row_width = q_width, row_width
 
     def expand(
         self,
@@ -190,22 +204,28 @@ class _Expander:
         logits: torch.Tensor,  # [F, vocab]
         uniforms: torch.Tensor,  # [F, width] in (0, 1); this round's draws for each row
     ) -> tuple[_Nodes, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(children, frontier row of each child, q ids [F, width], q probs [F, width])."""
+        """(children, frontier row of each child, q ids [F, row_width], q probs [F, row_width])."""
         seq, width = frontier.seq, self.width
         q = process_logits(logits, self.temperature[seq], self.top_k[seq], self.top_p[seq], self.min_p[seq])
-        weights, ids = q.topk(width, dim=-1)  # [F, width]; weights[:, i] = w_i, sorted
+        top, ids = q.topk(self.row_width, dim=-1)  # [F, row_width]; sorted
+        entry = torch.arange(self.row_width, device=q.device)
+        top = torch.where(entry < self.q_width[seq][:, None], top, 0.0)  # this sequence's row width
+        ids = torch.where(top > 0, ids, -1)
         sibling = torch.arange(width, device=q.device)
-        weights = torch.where(sibling < self.children_per_node[seq][:, None], weights, 0.0)
-        exists = weights > 0  # child i exists iff q has an (i+1)-th token: fixed before any draw
-        ids = torch.where(exists, ids, -1)
+        # w_i, the i-th largest probability, scores child i; child i exists iff q has an
+        # (i+1)-th token: both fixed before any draw.
+        weights = torch.where(sibling < self.children_per_node[seq][:, None], top[:, :width], 0.0)
+        exists = weights > 0
         mode = self.mode[seq][:, None]
         sampled = mode != int(DraftSampling.DETERMINISTIC)
-        row = torch.where(sampled, weights / weights.sum(-1, keepdim=True), weights)  # the q drawn from
+        row = torch.where(sampled, top / top.sum(-1, keepdim=True), top)  # the q drawn from
         tokens = torch.where(
             mode == int(DraftSampling.WITHOUT_REPLACEMENT),
-            _draw_without_replacement(ids, row, uniforms),
+            _draw_without_replacement(ids, row, uniforms)[:, :width],
             torch.where(
-                mode == int(DraftSampling.WITH_REPLACEMENT), _draw_with_replacement(ids, row, uniforms), ids
+                mode == int(DraftSampling.WITH_REPLACEMENT),
+                _draw_with_replacement(ids, row, uniforms[:, :width]),
+                ids[:, :width],
             ),
         )
         score = frontier.score[:, None] + weights.log()  # [F, width]
@@ -241,15 +261,17 @@ def _draw_uniforms(
     modes: Sequence[DraftSampling],
     generators: Sequence[torch.Generator | None],
     width: int,
+    row_width: int,
     depth_limit: int,
-) -> torch.Tensor:  # [batch, depth_limit, width (frontier slot), width (sibling)] float32, CPU
-    """One uniform per possible child of the round, drawn per sequence from its own generator,
-    so a seeded sequence drafts the same whatever it is batched with."""
-    noise = torch.zeros(len(budgets), depth_limit, width, width)
+) -> torch.Tensor:  # [batch, depth_limit, width (frontier slot), row_width (q entry)] float32, CPU
+    """Uniforms for the round's draws (one per q entry: Gumbel keys without replacement, the
+    first k as inverse-CDF draws with), per sequence from its own generator, so a seeded
+    sequence drafts the same whatever it is batched with."""
+    noise = torch.zeros(len(budgets), depth_limit, width, row_width)
     for b, (budget, mode, generator) in enumerate(zip(budgets, modes, generators, strict=True)):
         if mode != DraftSampling.DETERMINISTIC and budget.top_k > 0 and budget.max_nodes > 1:
-            k, d = budget.top_k, budget.max_depth
-            noise[b, :d, :k, :k] = torch.rand(d, k, k, generator=generator)
+            k, d, w = budget.top_k, budget.max_depth, budget.row_width
+            noise[b, :d, :k, :w] = torch.rand(d, k, w, generator=generator)
     return noise.clamp_(min=torch.finfo(torch.float32).tiny)  # Gumbel needs log(u) finite
 
 
@@ -343,7 +365,7 @@ def _assemble(
         if split[b] == 0:
             trees.append(root_only_tree(update))
             continue
-        k = budgets[b].top_k
+        k = _row_width(budgets[b], modes[b])
         trees.append(
             CandidateTree(
                 seq_id=update.seq_id,

@@ -42,7 +42,12 @@ class Limits:
     max_batch: int  # sequences per DraftRequest / DraftResponse
     max_nodes: int  # nodes per candidate tree, root included
     max_depth: int  # draft tokens on any root-to-leaf path
-    max_top_k: int  # children per node, and sparse q row width
+    max_top_k: int  # children per node
+    max_q_width: int = 0  # entries per sparse q row; 0 = max_top_k
+
+    @property
+    def q_width_limit(self) -> int:
+        return max(self.max_top_k, self.max_q_width)
 
     def intersect(self, other: Limits) -> Limits:
         return Limits(
@@ -50,6 +55,7 @@ class Limits:
             max_nodes=min(self.max_nodes, other.max_nodes),
             max_depth=min(self.max_depth, other.max_depth),
             max_top_k=min(self.max_top_k, other.max_top_k),
+            max_q_width=min(self.q_width_limit, other.q_width_limit),
         )
 
     def to_proto(self) -> pb.Limits:
@@ -58,6 +64,7 @@ class Limits:
             max_nodes=self.max_nodes,
             max_depth=self.max_depth,
             max_top_k=self.max_top_k,
+            max_q_width=self.max_q_width,
         )
 
     @classmethod
@@ -67,6 +74,7 @@ class Limits:
             max_nodes=message.max_nodes,
             max_depth=message.max_depth,
             max_top_k=message.max_top_k,
+            max_q_width=message.max_q_width,
         )
 
 
@@ -215,7 +223,9 @@ def check_handshake(request: HandshakeRequest, response: HandshakeResponse) -> L
         )
     mismatches.extend(_feature_mismatches(request, response.features))
     if response.features.projected and not response.projection_sha256:
-        mismatches.append("features.projected: the drafter asks for projected features but publishes no projection")
+        mismatches.append(
+            "features.projected: the drafter asks for projected features but publishes no projection"
+        )
     limits = request.limits.intersect(response.limits)
     for name, least in (("max_batch", 1), ("max_nodes", 2), ("max_depth", 1), ("max_top_k", 1)):
         agreed, target, draft = (getattr(side, name) for side in (limits, request.limits, response.limits))

@@ -55,14 +55,27 @@ class TreeBudget:
 
     max_nodes: int  # nodes in the tree, root included; 1 = no draft tokens
     max_depth: int  # draft tokens on any root-to-leaf path (the root is depth 0)
-    top_k: int  # children per node, and the width of each sparse q row
+    top_k: int  # children per node
+    q_width: int = 0  # entries per sparse q row (>= top_k); 0 = top_k
+
+    @property
+    def row_width(self) -> int:
+        """The most entries a q row of this tree may hold."""
+        return max(self.top_k, self.q_width)
 
     def to_proto(self) -> pb.TreeBudget:
-        return pb.TreeBudget(max_nodes=self.max_nodes, max_depth=self.max_depth, top_k=self.top_k)
+        return pb.TreeBudget(
+            max_nodes=self.max_nodes, max_depth=self.max_depth, top_k=self.top_k, q_width=self.q_width
+        )
 
     @classmethod
     def from_proto(cls, message: pb.TreeBudget) -> TreeBudget:
-        return cls(max_nodes=message.max_nodes, max_depth=message.max_depth, top_k=message.top_k)
+        return cls(
+            max_nodes=message.max_nodes,
+            max_depth=message.max_depth,
+            top_k=message.top_k,
+            q_width=message.q_width,
+        )
 
 
 @dataclass

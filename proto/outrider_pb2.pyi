@@ -26,16 +26,18 @@ DRAFT_SAMPLING_WITH_REPLACEMENT: DraftSampling
 DRAFT_SAMPLING_WITHOUT_REPLACEMENT: DraftSampling
 
 class Limits(_message.Message):
-    __slots__ = ("max_batch", "max_nodes", "max_depth", "max_top_k")
+    __slots__ = ("max_batch", "max_nodes", "max_depth", "max_top_k", "max_q_width")
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_Q_WIDTH_FIELD_NUMBER: _ClassVar[int]
     max_batch: int
     max_nodes: int
     max_depth: int
     max_top_k: int
-    def __init__(self, max_batch: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., max_top_k: _Optional[int] = ...) -> None: ...
+    max_q_width: int
+    def __init__(self, max_batch: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., max_top_k: _Optional[int] = ..., max_q_width: _Optional[int] = ...) -> None: ...
 
 class FeatureSpec(_message.Message):
     __slots__ = ("layer_ids", "hidden_size", "projected", "dtype")
@@ -122,14 +124,16 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TreeBudget(_message.Message):
-    __slots__ = ("max_nodes", "max_depth", "top_k")
+    __slots__ = ("max_nodes", "max_depth", "top_k", "q_width")
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
+    Q_WIDTH_FIELD_NUMBER: _ClassVar[int]
     max_nodes: int
     max_depth: int
     top_k: int
-    def __init__(self, max_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
+    q_width: int
+    def __init__(self, max_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., top_k: _Optional[int] = ..., q_width: _Optional[int] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
     __slots__ = ("seq_id", "round", "new_tokens", "features", "sampling", "budget", "finished", "reset")

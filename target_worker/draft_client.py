@@ -149,6 +149,7 @@ class _Endpoint:
 
 class RemoteDraftSource(DraftSource):
     validates_trees = True  # `receive_trees` + root check in `_receive`, before `collect` sees them
+
     def __init__(
         self, addresses: Sequence[str], handshake: HandshakeRequest, config: DraftClientConfig | None = None
     ):
@@ -505,6 +506,7 @@ def _fit(budget: TreeBudget, limits: Limits) -> TreeBudget:
         max_nodes=max(1, min(budget.max_nodes, limits.max_nodes)),
         max_depth=min(budget.max_depth, limits.max_depth),
         top_k=min(budget.top_k, limits.max_top_k),
+        q_width=min(budget.row_width, limits.q_width_limit),
     )
 
 

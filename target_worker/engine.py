@@ -47,7 +47,7 @@ from target_worker.sequence import RequestOutput, RequestParams, Sequence
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TREE_BUDGET = TreeBudget(max_nodes=32, max_depth=8, top_k=8)
+DEFAULT_TREE_BUDGET = TreeBudget(max_nodes=32, max_depth=8, top_k=8, q_width=32)
 _FINISHED_BUDGET = TreeBudget(max_nodes=1, max_depth=0, top_k=0)
 
 

@@ -109,7 +109,7 @@ class Sequence:
         useful_depth = self.params.max_tokens - len(self.output_ids) - 1  # the last output is recovered/bonus
         depth = max(0, min(limit.max_depth, useful_depth))
         nodes = min(limit.max_nodes, rows_left) if depth else 1
-        return TreeBudget(max_nodes=nodes, max_depth=depth, top_k=limit.top_k)
+        return TreeBudget(max_nodes=nodes, max_depth=depth, top_k=limit.top_k, q_width=limit.q_width)
 
     def append(
         self, new_tokens: list[int], eos_token_id: int | None, detokenize: Callable[[list[int]], str] | None

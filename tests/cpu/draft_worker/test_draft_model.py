@@ -197,7 +197,10 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(draft_dir):
 
 
 def make_budget() -> TreeBudget:
-    return TreeBudget(max_nodes=10, max_depth=4, top_k=3)
+    """TREE's own budget (q rows of the default 16 entries), handed over explicitly."""
+    from draft_worker.config import DEFAULT_Q_WIDTH
+
+    return TreeBudget(max_nodes=10, max_depth=4, top_k=3, q_width=DEFAULT_Q_WIDTH)
 
 
 def test_a_different_vocabulary_is_refused(draft_dir, tiny_family):

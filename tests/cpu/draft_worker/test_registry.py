@@ -17,7 +17,7 @@ def test_builds_registered_methods_from_vllm_dicts():
     )
     assert isinstance(ngram, NgramProposer) and ngram.method == "ngram"
     assert (ngram.config.options.prompt_lookup_min, ngram.config.options.prompt_lookup_max) == (2, 4)
-    assert ngram.config.budget == TreeBudget(max_nodes=4, max_depth=3, top_k=1)  # a chain of K
+    assert ngram.config.budget == TreeBudget(max_nodes=4, max_depth=3, top_k=1, q_width=32)  # a chain of K
     assert ngram.feature_spec == FeatureSpec() and not ngram.feature_spec.needs_features
     suffix = build_proposer({"method": "suffix", "suffix_decoding_min_token_prob": 0.2}, vocab_size=VOCAB)
     assert isinstance(suffix, SuffixProposer) and suffix.config.num_speculative_tokens == 24
@@ -70,11 +70,15 @@ def test_tree_keys_set_the_default_budget_and_sampling():
         "draft_sampling": "with_replacement",
     }
     proposer = build_proposer(config, vocab_size=VOCAB)
-    assert proposer.config.budget == TreeBudget(max_nodes=16, max_depth=5, top_k=4)
+    assert proposer.config.budget == TreeBudget(max_nodes=16, max_depth=5, top_k=4, q_width=32)
     assert proposer.config.sampled_mode == DraftSampling.WITH_REPLACEMENT
-    # The engine's per-round budget is clamped to the configured shape.
+    # The engine's per-round budget is clamped to the configured shape; q rows to the narrower side.
     update = SequenceUpdate(0, 0, torch.tensor([1]), SamplingParams(), TreeBudget(64, 3, 8))
-    assert proposer.budget(update) == TreeBudget(max_nodes=16, max_depth=3, top_k=4)
+    assert proposer.budget(update) == TreeBudget(max_nodes=16, max_depth=3, top_k=4, q_width=8)
+    wide = SequenceUpdate(0, 0, torch.tensor([1]), SamplingParams(), TreeBudget(64, 3, 8, q_width=64))
+    assert proposer.budget(wide).q_width == 32
+    with pytest.raises(ValueError, match="tree_q_width"):
+        build_proposer({**config, "tree_q_width": 0}, vocab_size=VOCAB)
 
 
 def test_a_method_registers_once():

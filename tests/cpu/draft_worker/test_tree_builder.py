@@ -211,3 +211,24 @@ def test_without_replacement_siblings_are_distinct_everywhere():
         assert tree.sampling == DraftSampling.WITHOUT_REPLACEMENT
         keys = set(zip(tree.parents.tolist()[1:], tree.tokens.tolist()[1:], strict=True))
         assert len(keys) == tree.num_nodes - 1
+
+
+def test_a_sampled_chain_draws_from_a_q_width_row_not_a_point_mass():
+    """top_k = 1 with q_width 6: the child is a draw from q's renormalised top 6 (sent whole),
+    so verification can accept it with ~sum(min(p, q)); a greedy chain keeps its one-entry row."""
+    torch.manual_seed(1)
+    proposer = bigram(tree_top_k=1, depth=1, nodes=2, sampling="with_replacement")
+    sampling = SamplingParams(temperature=1.0)
+    budget = TreeBudget(2, 1, 1, q_width=6)
+    updates = [SequenceUpdate(i, 0, torch.tensor([2]), sampling, budget) for i in range(NUM_DRAWS)]
+    trees = proposer.propose(updates)
+    assert_valid(trees[:50], updates[:50])
+    expected = process_logits(proposer.table[2:3], torch.tensor([1.0]), None, None)[0]
+    top = expected.topk(6)
+    q = torch.zeros(VOCAB).scatter(0, top.indices, top.values / top.values.sum())
+    assert trees[0].q_token_ids.shape == (1, 6)
+    assert torch.allclose(trees[0].q_probs[0], q[trees[0].q_token_ids[0]])
+    first = torch.bincount(torch.stack([t.tokens[1] for t in trees]), minlength=VOCAB) / NUM_DRAWS
+    assert 0.5 * (first - q).abs().sum() < tv_bound(6)
+    (greedy,) = proposer.propose([SequenceUpdate(0, 0, torch.tensor([2]), GREEDY, budget)])
+    assert greedy.q_token_ids.shape == (1, 1) and int(greedy.tokens[1]) == int(expected.argmax())

@@ -79,7 +79,11 @@ def test_fingerprint_changes_with_any_token_or_id() -> None:
 
 
 def test_compatible_pair_negotiates_the_smaller_limits() -> None:
-    assert check_handshake(target(), draft()) == Limits(max_batch=32, max_nodes=64, max_depth=6, max_top_k=10)
+    assert check_handshake(target(), draft()) == Limits(
+        max_batch=32, max_nodes=64, max_depth=6, max_top_k=10, max_q_width=10
+    )
+    wide = draft(limits=Limits(max_batch=32, max_nodes=128, max_depth=6, max_top_k=16, max_q_width=32))
+    assert check_handshake(target(limits=Limits(64, 64, 8, 4, 16)), wide).max_q_width == 16
 
 
 def test_empty_method_and_target_id_accept_any() -> None:
