@@ -9,6 +9,7 @@ import math
 
 import jsonschema
 import pytest
+import torch
 
 from benchmarks.bench import add_bench_arguments, method_table, resolve_defaults, resolve_models
 from benchmarks.bench_schema import SCHEMA
@@ -47,7 +48,11 @@ def test_bench_quick_json(tiny_family, quick_heads, tmp_path, capsys):
     from draft_worker import known_methods
 
     out = tmp_path / "out.json"
-    assert cli.main(["bench", "--quick", "--json", str(out)]) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(["bench", "--quick", "--json", str(out)]) == 0
+    finally:  # the bench pins torch's threads for its process; later tests build with the default
+        torch.set_num_threads(threads)
     report = json.loads(out.read_text(), parse_constant=_refuse_constant)
     jsonschema.validate(report, SCHEMA)
     for path, number in _numbers(report):
