@@ -79,12 +79,17 @@ class DraftModelOptions:
     target_vocab_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("draft_model: the key 'model' (the draft checkpoint folder) is required")
+        check_model_options("draft_model", self.model, self.dtype, "the draft checkpoint folder")
         if self.kv_cache_rows is not None and self.kv_cache_bytes is not None:
             raise ValueError("draft_model: give kv_cache_rows or kv_cache_bytes, not both")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"draft_model: dtype {self.dtype!r}; use one of {sorted(DTYPES)}")
+
+
+def check_model_options(method: str, model: str | None, dtype: str | None, what: str) -> None:
+    """The checks every model-based method's Options share: a checkpoint folder, a known dtype."""
+    if not model:
+        raise ValueError(f"{method}: the key 'model' ({what}) is required")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"{method}: dtype {dtype!r}; use one of {sorted(DTYPES)}")
 
 
 @dataclass

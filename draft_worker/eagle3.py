@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from draft_worker.draft_model import NO_DRAFT, _TreeScratch, chain_tree
+from draft_worker.draft_model import NO_DRAFT, _TreeScratch, chain_tree, check_model_options
 from draft_worker.eagle_head import EagleHead, eagle3_layer_ids, load_head, rope_table
 from draft_worker.proposer import Proposer, register_proposer, root_only_tree
 from draft_worker.tree_builder import Frontier, build_trees, draft_generator
@@ -59,10 +59,7 @@ class Eagle3Options:
     dtype: str | None = None  # default: the checkpoint's
 
     def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("eagle3/peagle: the key 'model' (the head checkpoint folder) is required")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"eagle3/peagle: dtype {self.dtype!r}; use one of {sorted(DTYPES)}")
+        check_model_options("eagle3/peagle", self.model, self.dtype, "the head checkpoint folder")
 
 
 @dataclass

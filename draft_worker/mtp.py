@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from draft_worker.draft_model import NO_DRAFT, _TreeScratch, chain_tree, draft_vocabulary
+from draft_worker.draft_model import NO_DRAFT, _TreeScratch, chain_tree, check_model_options, draft_vocabulary
 from draft_worker.proposer import Proposer, register_proposer, root_only_tree
 from draft_worker.tree_builder import Frontier, build_trees, draft_generator
 from proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate
@@ -153,10 +153,7 @@ class MTPOptions:
     target_vocab_fingerprint: str | None = None  # as for draft_model: checked against tokenizer.json
 
     def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("mtp: the key 'model' (the checkpoint with the MTP layer) is required")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"mtp: dtype {self.dtype!r}; use one of {sorted(DTYPES)}")
+        check_model_options("mtp", self.model, self.dtype, "the checkpoint with the MTP layer")
 
 
 @dataclass
