@@ -129,7 +129,7 @@ def test_demo_cpu_serve_config_runs_under_serve_run(tiny_family, tmp_path):
         if server.poll() is None:
             server.send_signal(signal.SIGINT)  # serve run's Ctrl-C: shut Serve down, then Ray
             try:
-                server.wait(timeout=60)
+                server.wait(timeout=180)  # Serve drains its replicas first: slow under load
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
