@@ -69,7 +69,7 @@ else:
 identity = DraftIdentity(args["method"], proposer.vocab_size, tokenizer_fingerprint(args["tokenizer_dir"]))
 from draft_worker.spec_cache import SpecCacheConfig
 server = serve(proposer, identity, address="127.0.0.1:0",
-               speculation_cache=SpecCacheConfig() if args.get("cache") else None)
+               speculation_cache=SpecCacheConfig(args.get("outcomes", 4)) if args.get("cache") else None)
 print(server.port, flush=True)
 sys.stdin.read()
 server.stop(2)
@@ -172,7 +172,8 @@ def compare_at_batch(runner, prompts, method, options, dirs, handshake, batch, a
 
     servers, remotes = {}, {}
     for cache in (False, True):
-        servers[cache], port = start_server({"method": method, "options": options, "cache": cache, **dirs})
+        config = {"method": method, "options": options, "cache": cache, "outcomes": args.speculation_outcomes}
+        servers[cache], port = start_server({**config, **dirs})
         remotes[cache] = RemoteDraftSource(
             [f"127.0.0.1:{port}"], handshake, DraftClientConfig(round_deadline_s=5.0)
         )
@@ -234,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--methods", default="ngram,draft_model", help="comma-separated proposers")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--speculation-outcomes",
+        type=int,
+        default=4,
+        help="verify outcomes pre-drafted per round (cache rows)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
