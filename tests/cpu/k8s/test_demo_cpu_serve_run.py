@@ -110,6 +110,10 @@ def test_demo_cpu_serve_config_runs_under_serve_run(tiny_family, tmp_path):
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # A runner that launched the suite in the background (`cmd &`) hands SIGINT down
+            # ignored, and Python then installs no KeyboardInterrupt handler: the Ctrl-C below
+            # would do nothing. Give `serve run` the default disposition a terminal gives it.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     url = f"http://127.0.0.1:{port}"
     try:
