@@ -193,16 +193,10 @@ class DraftModelProposer(Proposer[DraftModelState]):
         """As `Proposer.speculate`: every fork in one batch, each in a scratch extent holding a
         copy of the context rows; without room for those, one fork at a time in the sequence's
         own extent. Either way each fork ends as the module docstring says (borrowed, rewound)."""
-        base = self._states.get(seq_id)
-        if base is None or not updates:
+        made = self._extended_forks(seq_id, updates)
+        if made is None:
             return None
-        forks = []
-        for update in updates:
-            fork = self.fork_state(base)
-            if fork is None:
-                return None
-            self.extend(fork, update)
-            forks.append(fork)
+        base, forks = made
         scratch = self._scratch_extents(base, forks)
         try:
             if scratch is not None:

@@ -120,6 +120,17 @@ class Proposer(abc.ABC, Generic[StateT]):
         what `propose` would have extended, so `adopt` can install it when the guess comes true.
         None when the sequence is unknown or its state cannot be forked.
         """
+        made = self._extended_forks(seq_id, updates)
+        if made is None:
+            return None
+        forks = made[1]
+        return list(zip(self.draft(updates, forks), forks, strict=True))
+
+    def _extended_forks(
+        self, seq_id: int, updates: Sequence[SequenceUpdate]
+    ) -> tuple[StateT, list[StateT]] | None:
+        """(the held state, one fork per update extended by it); None when any fork fails
+        (the forks already made are released) or the sequence is unknown."""
         base = self._states.get(seq_id)
         if base is None or not updates:
             return None
@@ -132,7 +143,7 @@ class Proposer(abc.ABC, Generic[StateT]):
                 return None
             self.extend(fork, update)
             forks.append(fork)
-        return list(zip(self.draft(updates, forks), forks, strict=True))
+        return base, forks
 
     def adopt(self, seq_id: int, state: StateT) -> None:
         """Install a state `speculate` returned as the sequence's real state.
