@@ -11,9 +11,12 @@
     (co-located: drafting is on the target's critical path), and the same proposer in a draft
     server process (disaggregated), without and with the speculation cache
     (draft_worker.spec_cache: the server pre-drafts round r+1 for the likeliest verify
-    outcomes while the target verifies round r; a hit answers at once). The server reports
-    its cache hits, misses and the drafting time the hits saved when it stops. A method that
-    cannot fork its state gets no cache; its "cache" rows say so instead of a figure.
+    outcomes while the target verifies round r and pushes those trees to the target, so a
+    hit costs no round trip). The server reports its cache hits, misses and the drafting time
+    the hits saved when it stops; `pushed_used` counts rounds a pushed tree answered. A method
+    that cannot fork its state gets no cache; its "cache" rows say so instead of a figure.
+    At batch > 1 the disaggregated engine verifies the batch in two lanes that take turns
+    (target_worker.engine), so the server drafts one lane while the target verifies the other.
 
 Both processes use one torch thread each, so on the 2-core machine they run side by side:
 the real-world point of disaggregation (the drafter has hardware of its own). Each batch size
@@ -202,6 +205,7 @@ def compare_at_batch(runner, prompts, method, options, dirs, handshake, batch, a
         for remote in remotes.values():
             remote.close()
         stats = {cache: stop_server(server) for cache, server in servers.items()}
+    pushed_used = {cache: remote.counters.trees_pushed_used for cache, remote in remotes.items()}
     rows = []
     for mode in sources:
         cache = mode == "disaggregated+cache"
@@ -221,6 +225,7 @@ def compare_at_batch(runner, prompts, method, options, dirs, handshake, batch, a
             row["cache_hit_rate"] = server["spec_cache_hits"] / lookups if lookups else None
             row["cache_saved_ms"] = 1e3 * server.get("spec_cache_saved_s", 0.0)
             row["server_drafting_ms"] = 1e3 * server.get("drafting_s", 0.0)
+            row["pushed_used"] = pushed_used[cache]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

@@ -128,8 +128,9 @@ class DraftModelProposer(Proposer[DraftModelState]):
         hf_config = json.loads((Path(options.model) / "config.json").read_text())
         self.max_model_len = options.max_model_len or int(hf_config.get("max_position_embeddings", 2048))
         budget = self.config.budget
-        # Scratch rows: every expanded node of a round (the deepest level is never expanded).
-        self.scratch_rows = max(1, (budget.max_depth - 1) * budget.top_k)
+        # Scratch rows: every expanded node of a round (the deepest level is never expanded),
+        # and for chains one more, the last draft's step that gives the q after it (outcome rows).
+        self.scratch_rows = max(1, (budget.max_depth - 1) * budget.top_k + (budget.top_k == 1))
         self.extent_rows = self.max_model_len + self.scratch_rows
         rows = options.kv_cache_rows
         if rows is None and options.kv_cache_bytes is None:
@@ -326,16 +327,24 @@ class DraftModelProposer(Proposer[DraftModelState]):
         its q row is the softmax's top probability when greedy, else the top-1 of q
         renormalised, 1.0 (a point mass, which the verifier accepts with p(x))."""
         lengths = [min(b.max_depth, b.max_nodes - 1) if b.top_k == 1 else 0 for b in budgets]
+        # Outcome rows (the speculation cache asks for them): each q row also names the
+        # runner-up, and one more step gives the q after the last draft, so the cache can
+        # rank (accepted length, bonus) outcomes without drafting probes.
+        width, extra = (2, 1) if self.outcome_rows else (1, 0)
         drafts: list[list[int]] = [[] for _ in updates]
-        probs: list[list[float]] = [[] for _ in updates]
+        rows: list[list[list[tuple[int, float]]]] = [[] for _ in updates]
         active = [b for b, n in enumerate(lengths) if n > 0]
         logits = root_logits[active]  # [len(active), vocab]
-        for depth in range(max(lengths, default=0)):
-            top_prob, token = logits.float().softmax(-1).max(-1)  # [len(active)] each
-            for b, t, q in zip(active, token.tolist(), top_prob.tolist(), strict=True):
-                drafts[b].append(t)
-                probs[b].append(q if updates[b].sampling.greedy else 1.0)
-            active = [b for b in active if lengths[b] > depth + 1]  # the last draft needs no logits
+        for depth in range(max(lengths, default=0) + extra):
+            top_q, top_t = logits.float().softmax(-1).topk(width, dim=-1)  # [len(active), width] each
+            for b, tokens, qs in zip(active, top_t.tolist(), top_q.tolist(), strict=True):
+                if depth < lengths[b]:
+                    drafts[b].append(tokens[0])
+                if updates[b].sampling.greedy:  # as wide as the budget lets q rows be
+                    rows[b].append(list(zip(tokens, qs, strict=True))[: max(1, budgets[b].row_width)])
+                else:  # a point mass, which the verifier accepts with p(x)
+                    rows[b].append([(tokens[0], 1.0)])
+            active = [b for b in active if lengths[b] + extra > depth + 1]  # the last draft needs no logits
             if not active:
                 break
             # Draft `depth` sits at position L + depth (the root at L - 1): a plain decode step.
@@ -347,11 +356,15 @@ class DraftModelProposer(Proposer[DraftModelState]):
             self.forwards += 1
         return [
             chain_tree(
-                u, d, p, DraftSampling.DETERMINISTIC if u.sampling.greedy else self.config.sampled_mode
+                u,
+                d,
+                None,
+                DraftSampling.DETERMINISTIC if u.sampling.greedy else self.config.sampled_mode,
+                rows=r,
             )
             if d
             else root_only_tree(u)
-            for u, d, p in zip(updates, drafts, probs, strict=True)
+            for u, d, r in zip(updates, drafts, rows, strict=True)
         ]
 
 
@@ -365,17 +378,32 @@ def _clone(generator: torch.Generator | None) -> torch.Generator | None:
 
 
 def chain_tree(
-    update: SequenceUpdate, drafts: list[int], probs: list[float], sampling: DraftSampling
+    update: SequenceUpdate,
+    drafts: list[int],
+    probs: list[float] | None,
+    sampling: DraftSampling,
+    *,
+    rows: list[list[tuple[int, float]]] | None = None,
 ) -> CandidateTree:
-    """A chain rooted at the update's last token; node i + 1 drawn from the one-entry q row i."""
+    """A chain rooted at the update's last token; node i + 1 was drawn from q row i.
+
+    By default row i is the one entry (drafts[i], probs[i]). `rows` replaces them: row i is
+    (token, q) pairs led by drafts[i], and a row past the last draft (`len(drafts) + 1` rows)
+    is the q after the leaf, which only the speculation cache reads. Rows are padded to the
+    widest with (-1, 0.0).
+    """
+    if rows is None:
+        rows = [[(d, q)] for d, q in zip(drafts, probs, strict=True)]
+    width = max(len(row) for row in rows)
+    padded = [row + [(-1, 0.0)] * (width - len(row)) for row in rows]
     return CandidateTree(
         seq_id=update.seq_id,
         round=update.round,
         tokens=torch.tensor([int(update.new_tokens[-1]), *drafts], dtype=torch.int64),
         parents=torch.arange(-1, len(drafts), dtype=torch.int64),
-        q_nodes=torch.arange(len(drafts), dtype=torch.int64),
-        q_token_ids=torch.tensor(drafts, dtype=torch.int64)[:, None],  # [num_drafts, 1]
-        q_probs=torch.tensor(probs, dtype=torch.float32)[:, None],  # [num_drafts, 1]
+        q_nodes=torch.arange(len(rows), dtype=torch.int64),
+        q_token_ids=torch.tensor([[t for t, _ in row] for row in padded], dtype=torch.int64),  # [rows, width]
+        q_probs=torch.tensor([[q for _, q in row] for row in padded], dtype=torch.float32),  # [rows, width]
         sampling=sampling,
     )
 

@@ -58,6 +58,11 @@ class Proposer(abc.ABC, Generic[StateT]):
 
     def __init__(self, config: SpeculativeConfig, *, vocab_size: int, device: torch.device | str = "cpu"):
         self.config = config
+        # Set by the speculation cache (draft_worker.spec_cache): greedy chains then carry q
+        # rows that name likely verify outcomes (runner-up tokens, the q after the last draft)
+        # at the price of one more draft step, so the cache ranks outcomes without probes.
+        # Methods that ignore it leave the cache to probe.
+        self.outcome_rows = False
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._states: dict[int, StateT] = {}

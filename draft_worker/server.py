@@ -62,6 +62,7 @@ DRAFT_SERVICE = pb.DESCRIPTOR.services_by_name["DraftService"].full_name  # "out
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # a 256-sequence batch of 64-node trees is ~1 MiB
 DEFAULT_MAX_BATCH = 256
 DEFAULT_SPEC_CACHE = SpecCacheConfig()
+_WINDOW_EMA = 0.3  # weight of the newest idle window in its running average
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class ServerStats:
     spec_cache_misses: int = 0
     spec_cache_saved_s: float = 0.0
     spec_drafting_s: float = 0.0
+    trees_pushed: int = 0  # pre-drafted trees sent ahead of their round (SpeculativeTree)
 
 
 class _Stream:
@@ -122,6 +124,11 @@ class DraftBatcher:
         self._pending: list[_Item] = []
         self._streams: set[_Stream] = set()
         self._busy = False  # a batch is being drafted
+        # Speculation only fills idle time it fits in: a real round that arrives while a guess
+        # is being drafted waits for it. `_window_s` = how long the drafter usually idles
+        # between real rounds (EMA), timed from `_idle_since` (the end of the last real batch).
+        self._idle_since: float | None = None
+        self._window_s: float | None = None
         self._stopping = False
         self._next_stream = self._next_internal = 0
         self._owner: dict[int, tuple[_Stream, int]] = {}  # internal id -> (stream, target's seq_id)
@@ -160,6 +167,8 @@ class DraftBatcher:
         with self._cond:
             if stream.closed:
                 return  # draining: rounds that arrive after the close marker are not served
+            if self._idle_since is not None:
+                self._observe_window(time.perf_counter() - self._idle_since)
             self._pending.extend(items)
             self._cond.notify()
 
@@ -202,6 +211,8 @@ class DraftBatcher:
                     return
                 items, self._pending = self._pending, []
                 self._busy = bool(items)
+                if items and self._idle_work_waiting():
+                    self.spec_cache.job_skipped()  # a guess left untried: trust its cost a little less
             if not items:  # idle: pre-draft one sequence's next round
                 self._speculate()
                 continue
@@ -210,17 +221,52 @@ class DraftBatcher:
             finally:
                 with self._cond:
                     self._busy = False
+                    if self._pending:  # the next round came in while this one drafted: no idle time
+                        self._observe_window(0.0)
+                    else:
+                        self._idle_since = time.perf_counter()
                     self._cond.notify_all()
 
-    def _idle_work(self) -> bool:
+    def _observe_window(self, seconds: float) -> None:
+        self._idle_since = None
+        ema = self._window_s
+        self._window_s = seconds if ema is None else ema + _WINDOW_EMA * (seconds - ema)
+
+    def _idle_work_waiting(self) -> bool:
         return self.spec_cache is not None and self.spec_cache.has_work()
 
+    def _idle_work(self) -> bool:
+        return self._speculation_budget() > 0
+
+    def _speculation_budget(self) -> int:
+        """Outcomes to pre-draft now: as many as should be done before the next real round."""
+        if not self._idle_work_waiting():
+            return 0
+        most = self.spec_cache.config.max_outcomes
+        cost, window = self.spec_cache.outcome_cost_s, self._window_s
+        if cost is None or window is None or self._idle_since is None:
+            return most  # nothing measured yet: try
+        left = window - (time.perf_counter() - self._idle_since)
+        return min(most, int(left / cost)) if cost > 0 else most
+
     def _speculate(self) -> None:
-        """One sequence's speculation; a real round that arrives meanwhile waits only for it."""
+        """One sequence's speculation, pushed to its target; a real round waits only for it."""
         try:
-            self.spec_cache.run_one()
+            seq_id, guesses = self.spec_cache.run_one(max(1, self._speculation_budget()))
         except Exception:  # a failed guess costs only the cache
             log.exception("speculation failed")
+            return
+        if seq_id not in self._owner or not guesses:
+            return
+        stream, target_id = self._owner[seq_id]
+        pushed = [
+            pb.SpeculativeTree(
+                new_tokens=update.new_tokens.tolist(), tree=replace(tree, seq_id=target_id).to_proto()
+            )
+            for update, tree in guesses
+        ]
+        self._stats.trees_pushed += len(pushed)
+        stream.outbox.put(pb.DraftResponse(speculative=pushed))
 
     def _draft(self, items: list[_Item]) -> None:
         batch: dict[int, SequenceUpdate] = {}  # internal id -> this batch's (merged) update

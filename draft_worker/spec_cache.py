@@ -4,11 +4,16 @@ After round r's tree for a sequence is sent, the drafter is idle until the targe
 delta arrives. That delta is always `accepted path + one token` (the recovered or bonus
 token at the end of the accepted path), so the drafter can guess it from its own tree:
 
-    tree r:   root -> a -> b -> c           outcomes, scored by the tree's own q:
-                                             accept a b c, bonus x   p(abc) * q(x | abc)
-                                             accept a, bonus y       p(a) * q(y | a), y not b
+    tree r:   root -> a -> b -> c           outcomes, scored by learned acceptance and q:
+                                             accept a b c, bonus x   P(reach c) * q(x | abc)
+                                             accept a, bonus y       P(reach a) (1 - acc(2)) q(y | a) / (1 - q(b | a))
     for the top `max_outcomes`: fork the sequence's state, extend it with the delta, draft
     -> cache[seq] = {delta: (tree r+1, extended state)}
+
+P(reach node) multiplies, per depth, the acceptance rate the cache has seen at that depth
+(learned from the real deltas, which show how far each tree was accepted; 0.7 before any)
+and the node's share of its siblings' q. The draft's own q is a poor acceptance model (a
+small draft is often right with q = 0.1), but it ranks tokens well.
 
 A bonus token must differ from every child the tree already holds at the end node (a drafted
 child that matched would have been accepted), so it comes from the end node's q row minus
@@ -19,7 +24,9 @@ and the extended fork becomes the sequence's real state: it is exactly the state
 would have built, so the tree is exactly the one `propose` would have drafted.
 
 Speculation runs on the drafting thread only when no real update is pending, one sequence
-at a time, so it never delays a real round by more than one sequence's speculation. A
+at a time, and the server starts a job only when it expects it to end before the next real
+round (`DraftBatcher._idle_work`). The server also pushes each job's trees to the target
+(`SpeculativeTree`), so a hit costs no round trip: the target holds the tree before it asks. A
 proposer that cannot fork (`can_fork` False) or that needs target features (eagle3,
 medusa, mtp: the delta's features exist only once the target has verified it) is never
 speculated for. Every fork the cache discards (a miss, the other outcomes of a hit, a
@@ -80,18 +87,46 @@ def supports_speculation(proposer: Any) -> bool:
     return isinstance(proposer, Proposer) and proposer.can_fork and not proposer.feature_spec.needs_features
 
 
-def tree_paths(tree: CandidateTree) -> list[tuple[float, int, tuple[int, ...]]]:
-    """(path probability under the tree's q, end node, path tokens) for every node but the root."""
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    rows = q_rows(tree)
-    prob, paths = [1.0], [()]
-    out = []
-    for node in range(1, len(tokens)):
-        parent = parents[node]
-        prob.append(prob[parent] * rows.get(parent, {}).get(tokens[node], 0.0))
-        paths.append((*paths[parent], tokens[node]))
-        out.append((prob[node], node, paths[node]))
-    return out
+class AcceptanceModel:
+    """How often the target accepts a draft at each depth, counted from real deltas."""
+
+    PRIOR, PRIOR_WEIGHT = 0.7, 2.0
+
+    def __init__(self) -> None:
+        self.reached: list[int] = []  # [depth - 1] rounds whose accepted path reached the parent depth
+        self.accepted: list[int] = []  # [depth - 1] ... and accepted a node at this depth
+
+    def rate(self, depth: int) -> float:
+        """P(a node at `depth` >= 1 is accepted | its parent was)."""
+        i = depth - 1
+        seen, kept = (self.reached[i], self.accepted[i]) if i < len(self.reached) else (0, 0)
+        return (kept + self.PRIOR * self.PRIOR_WEIGHT) / (seen + self.PRIOR_WEIGHT)
+
+    def observe(self, tree: CandidateTree, delta: list[int]) -> None:
+        """The real delta after `tree`: its accepted path (all but the last token) walks the tree."""
+        children = _children(tree)
+        tokens = tree.tokens.tolist()
+        node, depth = 0, 0
+        for token in [*delta[:-1], None]:
+            kids = children.get(node, [])
+            if not kids:
+                return  # a leaf: nothing was rejected below it
+            while len(self.reached) <= depth:
+                self.reached.append(0)
+                self.accepted.append(0)
+            self.reached[depth] += 1
+            match = next((k for k in kids if tokens[k] == token), None)
+            if match is None:
+                return
+            self.accepted[depth] += 1
+            node, depth = match, depth + 1
+
+
+def _children(tree: CandidateTree) -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(tree.parents.tolist()[1:], start=1):
+        children.setdefault(parent, []).append(node)
+    return children
 
 
 def q_rows(tree: CandidateTree) -> dict[int, dict[int, float]]:
@@ -113,9 +148,13 @@ class SpecCache:
 
     def __init__(self, proposer: Proposer, config: SpecCacheConfig):
         self.proposer, self.config = proposer, config
+        proposer.outcome_rows = True
         self.stats = SpecStats()
         self._entries: dict[int, dict[tuple[int, ...], _Entry]] = {}  # seq_id -> delta -> entry
         self._jobs: dict[int, tuple[SequenceUpdate, CandidateTree]] = {}  # seq_id -> round r's pair
+        self._sent: dict[int, CandidateTree] = {}  # seq_id -> the tree its next delta answers
+        self.acceptance = AcceptanceModel()
+        self.outcome_cost_s: float | None = None  # running average of a job's time per outcome
         shares = proposer.retire_shares_state
         self._retire_shares = type(proposer).retire is not Proposer.retire if shares is None else shares
 
@@ -124,6 +163,9 @@ class SpecCache:
     def lookup(self, update: SequenceUpdate) -> CandidateTree | None:
         """The cached tree for this real update (its state adopted), or None; counts hit or miss."""
         self._jobs.pop(update.seq_id, None)
+        sent = self._sent.pop(update.seq_id, None)
+        if sent is not None and not (update.finished or update.reset):
+            self.acceptance.observe(sent, update.new_tokens.tolist())
         entries = self._entries.pop(update.seq_id, {})
         entry = None
         if not (update.finished or update.reset or update.features is not None):
@@ -146,9 +188,11 @@ class SpecCache:
         """Round `update.round` was answered with `tree`: pre-draft the next round when idle."""
         if not update.finished and update.features is None and tree.num_nodes > 1:
             self._jobs[update.seq_id] = (update, tree)
+            self._sent[update.seq_id] = tree
 
     def forget(self, seq_id: int) -> None:
         self._jobs.pop(seq_id, None)
+        self._sent.pop(seq_id, None)
         self._release(self._entries.pop(seq_id, {}).values())
 
     def retired(self) -> None:
@@ -168,12 +212,22 @@ class SpecCache:
     def has_work(self) -> bool:
         return bool(self._jobs)
 
-    def run_one(self) -> None:
-        """Speculate for one scheduled sequence."""
+    def job_skipped(self) -> None:
+        """A real round came before a waiting job was tried (it did not seem to fit): shrink the
+        cost estimate, so one slow job (a warm-up) cannot stop speculation for good."""
+        if self.outcome_cost_s is not None:
+            self.outcome_cost_s *= 0.8
+
+    def run_one(
+        self, max_outcomes: int | None = None
+    ) -> tuple[int, list[tuple[SequenceUpdate, CandidateTree]]]:
+        """Speculate for one scheduled sequence, at most `max_outcomes` (default: the config's);
+        returns it and its (hypothetical update, tree) pairs, best first, so the server can
+        push them to the target ahead of time."""
         seq_id = next(iter(self._jobs))
         update, tree = self._jobs.pop(seq_id)
         started = time.perf_counter()
-        outcomes = self.outcomes(update, tree)
+        outcomes = self.outcomes(update, tree)[:max_outcomes]
         updates = [
             replace(update, round=update.round + 1, new_tokens=_tensor(o.delta, update)) for o in outcomes
         ]
@@ -181,30 +235,47 @@ class SpecCache:
         drafted = self.proposer.speculate(seq_id, updates) if updates else None
         done = time.perf_counter()
         self.stats.drafting_s += done - started
-        if drafted:
-            share = (done - drafting) / len(drafted)  # fork + extend + draft of one outcome
-            self._release(self._entries.pop(seq_id, {}).values())
-            self._entries[seq_id] = {
-                o.delta: _Entry(u, t, s, share)
-                for o, u, (t, s) in zip(outcomes, updates, drafted, strict=True)
-            }
+        if outcomes:
+            per, cost = (done - started) / len(outcomes), self.outcome_cost_s
+            self.outcome_cost_s = per if cost is None else cost + 0.3 * (per - cost)
+        if not drafted:
+            return seq_id, []
+        share = (done - drafting) / len(drafted)  # fork + extend + draft of one outcome
+        self._release(self._entries.pop(seq_id, {}).values())
+        self._entries[seq_id] = {
+            o.delta: _Entry(u, t, s, share) for o, u, (t, s) in zip(outcomes, updates, drafted, strict=True)
+        }
+        return seq_id, [(u, t) for u, (t, _) in zip(updates, drafted, strict=True)]
 
     def outcomes(self, update: SequenceUpdate, tree: CandidateTree) -> list[Outcome]:
         """The `max_outcomes` most likely (accepted path, bonus token) pairs, best first."""
         rows, per_node = q_rows(tree), self.config.bonus_per_node
-        children: dict[int, set[int]] = {}
-        for node, parent in enumerate(tree.parents.tolist()[1:], start=1):
-            children.setdefault(parent, set()).add(int(tree.tokens[node]))
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        children = _children(tree)
+        depth, reach, paths = [0], [1.0], [()]  # per node: depth, P(accepted path reaches it), path
+        for node in range(1, len(tokens)):
+            parent = parents[node]
+            siblings = children[parent]
+            row = rows.get(parent, {})
+            mass = sum(row.get(tokens[s], 0.0) for s in siblings)
+            share = row.get(tokens[node], 0.0) / mass if mass > 0 else 1 / len(siblings)
+            depth.append(depth[parent] + 1)
+            reach.append(reach[parent] * self.acceptance.rate(depth[node]) * share)
+            paths.append((*paths[parent], tokens[node]))
         candidates: list[Outcome] = []
         leaves: list[tuple[float, tuple[int, ...]]] = []
-        for prob, node, path in [(1.0, 0, ()), *tree_paths(tree)]:
-            if prob <= 0:
+        for node in range(len(tokens)):
+            kids = {tokens[k] for k in children.get(node, [])}
+            # The accepted path ends here: no child accepted (or none to accept).
+            end = reach[node] * ((1 - self.acceptance.rate(depth[node] + 1)) if kids else 1.0)
+            if end <= 0:
                 continue
             if node in rows:
-                for token, q in _top(rows[node], children.get(node, set()), per_node):
-                    candidates.append(Outcome(prob * q, path, token))
-            elif node not in children:
-                leaves.append((prob, path))
+                rest = 1 - sum(q for t, q in rows[node].items() if t in kids)  # q mass left to the bonus
+                for token, q in _top(rows[node], kids, per_node):
+                    candidates.append(Outcome(end * q / max(rest, q), paths[node], token))
+            elif not kids:
+                leaves.append((end, paths[node]))
         # Leaves carry no q row: ask the drafter what follows each likely full path.
         leaves = sorted(leaves, reverse=True)[: self.config.max_outcomes]
         probes = [replace(update, round=update.round + 1, new_tokens=_tensor(p, update)) for _, p in leaves]

@@ -183,8 +183,18 @@ class CandidateTree(_message.Message):
     sampling: DraftSampling
     def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q_nodes: _Optional[_Iterable[int]] = ..., q_top_k: _Optional[int] = ..., q_token_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., sampling: _Optional[_Union[DraftSampling, str]] = ...) -> None: ...
 
+class SpeculativeTree(_message.Message):
+    __slots__ = ("new_tokens", "tree")
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    tree: CandidateTree
+    def __init__(self, new_tokens: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[CandidateTree, _Mapping]] = ...) -> None: ...
+
 class DraftResponse(_message.Message):
-    __slots__ = ("trees",)
+    __slots__ = ("trees", "speculative")
     TREES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     trees: _containers.RepeatedCompositeFieldContainer[CandidateTree]
-    def __init__(self, trees: _Optional[_Iterable[_Union[CandidateTree, _Mapping]]] = ...) -> None: ...
+    speculative: _containers.RepeatedCompositeFieldContainer[SpeculativeTree]
+    def __init__(self, trees: _Optional[_Iterable[_Union[CandidateTree, _Mapping]]] = ..., speculative: _Optional[_Iterable[_Union[SpeculativeTree, _Mapping]]] = ...) -> None: ...

@@ -48,6 +48,7 @@ from proto import (
     SequenceUpdate,
     TreeBudget,
     check_handshake,
+    check_trees,
     join_projection,
     receive_trees,
     vocab_fingerprint,
@@ -91,6 +92,8 @@ class DraftClientCounters:
     reconnects: int = 0  # streams re-established after one was lost
     resyncs: int = 0  # full contexts re-sent (worker restarted, sequence moved, dropped)
     handshake_refusals: int = 0
+    trees_pushed_used: int = 0  # rounds a pre-drafted tree answered before they were asked (also received)
+    trees_pushed_dropped: int = 0  # pre-drafted trees that failed their checks (malformed, over budget)
 
 
 def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
@@ -123,6 +126,11 @@ class _Sequence:
     endpoint: _Endpoint | None = None  # where it is synced
     generation: int = -1  # that endpoint's stream generation when it was synced
     misses: int = 0  # consecutive rounds with no answer
+    budget: TreeBudget | None = None  # of its last update: pushed trees are checked against it
+    # Pre-drafted trees the worker pushed (SpeculativeTree), already checked:
+    # the delta they assume -> (round, the budget they were checked against, tree).
+    pushed: dict[tuple[int, ...], tuple[int, TreeBudget, CandidateTree]] = field(default_factory=dict)
+    answered: int = -1  # the last round a pushed tree answered; the worker's own answer is a duplicate
 
 
 @dataclass
@@ -131,6 +139,7 @@ class _Awaited:
     budget: TreeBudget
     root: int  # the token the tree's node 0 must hold
     endpoint: _Endpoint
+    delta: tuple[int, ...] = ()  # the update's new tokens, which a pushed tree must have assumed
 
 
 @dataclass(eq=False)
@@ -149,6 +158,7 @@ class _Endpoint:
 
 class RemoteDraftSource(DraftSource):
     validates_trees = True  # `receive_trees` + root check in `_receive`, before `collect` sees them
+    overlaps_drafting = True  # the draft workers draft while the engine verifies the other lane
 
     def __init__(
         self, addresses: Sequence[str], handshake: HandshakeRequest, config: DraftClientConfig | None = None
@@ -282,6 +292,7 @@ class RemoteDraftSource(DraftSource):
             synced = state is not None and state.endpoint is not None and _in_sync(state)
             return (self._wire(update), state.endpoint) if synced else (None, None)
         features = [update.features] if update.features is not None else None
+        delta = tuple(update.new_tokens.tolist())
         if state is None or update.reset:
             state = self._seqs[seq_id] = _Sequence([update.new_tokens], features)
             whole = True  # the update already carries the whole context
@@ -304,8 +315,21 @@ class RemoteDraftSource(DraftSource):
             state.misses = 0
         budget = _fit(update.budget, endpoint.limits)
         root = int(update.new_tokens[-1])
-        self._awaiting[seq_id] = _Awaited(update.round, budget, root, endpoint)
+        self._awaiting[seq_id] = _Awaited(update.round, budget, root, endpoint, delta)
+        pushed = state.pushed.get(delta) if not (stale or update.reset) else None
+        state.pushed, state.budget = {}, budget
+        if pushed is not None and pushed[:2] == (update.round, budget):
+            self._answer(seq_id, state, pushed[2])  # the worker guessed this outcome: no waiting
         return self._wire(replace(update, budget=budget)), endpoint
+
+    def _answer(self, seq_id: int, state: _Sequence, tree: CandidateTree) -> None:
+        """A pushed tree answers the awaited round (under the lock)."""
+        del self._awaiting[seq_id]
+        self._ready[seq_id] = tree
+        state.misses, state.answered = 0, tree.round
+        self.counters.trees_received += 1
+        self.counters.trees_pushed_used += 1
+        self._cond.notify_all()
 
     def _whole(self, update: SequenceUpdate, state: _Sequence) -> SequenceUpdate:
         tokens = torch.cat(state.tokens)
@@ -408,11 +432,15 @@ class RemoteDraftSource(DraftSource):
     def _receive(self, endpoint: _Endpoint, message: pb.DraftResponse) -> None:
         with self._cond:
             current = []
+            if message.speculative:
+                self._receive_pushed(endpoint, message.speculative)
             for tree in message.trees:
                 awaited = self._awaiting.get(tree.seq_id)
                 if awaited is None or awaited.round != tree.round or awaited.endpoint is not endpoint:
-                    self.counters.trees_late += 1
                     state = self._seqs.get(tree.seq_id)
+                    if state is not None and state.answered == tree.round:
+                        continue  # a pushed tree already answered this round
+                    self.counters.trees_late += 1
                     if state is not None:
                         state.misses = 0  # late, but the worker clearly holds the sequence
                     continue
@@ -433,6 +461,41 @@ class RemoteDraftSource(DraftSource):
                 self._ready[tree.seq_id] = tree
                 self._seqs[tree.seq_id].misses = 0
             self._cond.notify_all()
+
+    def _receive_pushed(self, endpoint: _Endpoint, pushed: Sequence[pb.SpeculativeTree]) -> None:
+        """Pre-drafted trees (under the lock): checked now, used when their outcome comes true."""
+        fresh: list[tuple[int, _Sequence, tuple[int, ...], CandidateTree]] = []
+        for message in pushed:
+            seq_id, delta = message.tree.seq_id, tuple(message.new_tokens)
+            state = self._seqs.get(seq_id)
+            if state is None or state.endpoint is not endpoint or state.budget is None or not delta:
+                continue  # gone, moved, or never asked
+            try:
+                tree = CandidateTree.from_proto(message.tree)
+            except InvalidDraftError as error:
+                log.debug("draft worker %s: dropped a pushed tree: %s", endpoint.address, error)
+                self.counters.trees_pushed_dropped += 1
+                continue
+            fresh.append((seq_id, state, delta, tree))
+        trees = [tree for *_, tree in fresh]
+        errors = (
+            check_trees(trees, [s.budget for _, s, _, _ in fresh], self.handshake.vocab_size) if fresh else []
+        )
+        for (seq_id, state, delta, tree), error in zip(fresh, errors, strict=True):
+            if error is not None or int(tree.tokens[0]) != delta[-1]:
+                # Unasked guesses: one drafted under the last budget may not fit the next (it
+                # shrinks near max_tokens), so these are counted apart from invalid answers.
+                log.debug(
+                    "draft worker %s: dropped a pushed tree: %s", endpoint.address, error or "wrong root"
+                )
+                self.counters.trees_pushed_dropped += 1
+                continue
+            awaited = self._awaiting.get(seq_id)
+            if awaited is not None and awaited.round == tree.round:  # its round is open already
+                if awaited.delta == delta and awaited.endpoint is endpoint and awaited.budget == state.budget:
+                    self._answer(seq_id, state, tree)
+            elif tree.round > state.answered and (awaited is None or tree.round > awaited.round):
+                state.pushed[delta] = (tree.round, state.budget, tree)
 
     def _fetch_projection(
         self, stub: pb_grpc.DraftServiceStub, response: HandshakeResponse, metadata: tuple | None

@@ -55,6 +55,10 @@ class DraftSource(abc.ABC):
     # budgets they were asked with (the gRPC client checks on its receiving thread), so the
     # engine does not check them twice. Sources returning unchecked trees leave it False.
     validates_trees: bool = False
+    # True: drafting happens elsewhere between `submit` and `collect` (a draft worker over
+    # gRPC), so the engine has work to overlap with it (`Engine` lanes). In-process sources
+    # draft inside `collect`, on the engine's own thread, and leave it False.
+    overlaps_drafting: bool = False
 
     @property
     @abc.abstractmethod

@@ -9,6 +9,18 @@ A round (DESIGN.md "One round, in order"; ALGORITHMS.md sections 1-2), as `step`
     ... append, stop, free, stream          # the caller gets per-request token deltas
     drafts.submit(deltas)                   # drafting of the next round overlaps the caller
 
+With a draft source that drafts elsewhere while the engine works (`overlaps_drafting`: the
+gRPC client), the decoding sequences are split into two lanes that take turns, so the target
+never idles while the drafter drafts, and vice versa:
+
+    step k:    verify lane A  |  drafter drafts lane B's trees
+    step k+1:  verify lane B  |  drafter drafts lane A's trees
+
+Each step then verifies about half the batch; a round of every sequence costs two half-size
+forwards instead of one forward plus the drafting of the whole batch. One decoding sequence
+has nothing to overlap with, and in-process drafting runs inside `collect`, so both keep one
+lane (the speculation cache is what hides the drafter at batch 1).
+
 A sequence without a tree (speculation off, no tree by the deadline, a bad tree) is verified
 with a root-only tree: plain decoding of one token through the same code path. Requests are
 admitted whenever a batch slot and a KV extent are free; a request that could never fit is
@@ -100,10 +112,19 @@ class Engine:
         max_prefill_tokens: int = 512,
         draft_timeout_s: float | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        lanes: int | None = None,
     ):
-        """`draft_source` None = speculation off. `detokenize` is needed for stop strings."""
+        """`draft_source` None = speculation off. `detokenize` is needed for stop strings.
+
+        `lanes`: 2 alternates halves of the batch so remote drafting overlaps verification
+        (module docstring); None picks 2 for a source that `overlaps_drafting`, else 1.
+        """
         if max_prefill_tokens < 1 or max_batch < 1:
             raise ValueError("max_batch and max_prefill_tokens must be >= 1")
+        if lanes is None:
+            lanes = 2 if draft_source is not None and draft_source.overlaps_drafting else 1
+        if lanes not in (1, 2):
+            raise ValueError(f"lanes must be 1 or 2, got {lanes}")
         self.runner, self.cache, self.drafts = runner, runner.cache, draft_source
         self.eos_token_id, self.max_batch, self.tree_budget = eos_token_id, max_batch, tree_budget
         self.max_prefill_tokens, self.draft_timeout_s = max_prefill_tokens, draft_timeout_s
@@ -114,6 +135,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.round = 0
+        self.lanes, self._turn = lanes, 0  # the lane the next step verifies
         self.stats = EngineStats()
         self._next_id = 0
 
@@ -163,7 +185,7 @@ class Engine:
         if not self.running:
             return []
         self.round += 1
-        ready = [s for s in self.running if s.decoding]
+        ready = self._lane_to_verify([s for s in self.running if s.decoding])
         # 1. Draft: trees for the decoding sequences; missing or bad ones become root-only.
         trees = self.drafts.collect([s.seq_id for s in ready], self.draft_timeout_s) if self.drafts else {}
         trees = self._checked_trees(ready, trees)
@@ -216,6 +238,17 @@ class Engine:
                         done[output.request_id] = output
         return [Completion(tokens[i], done[i].finish_reason, done[i].stop_reason, done[i].text) for i in ids]
 
+    def _lane_to_verify(self, decoding: list[Sequence]) -> list[Sequence]:
+        """The decoding sequences this step verifies: all of them, or the lane whose turn it is."""
+        if self.lanes == 1:
+            return decoding
+        turn = [s for s in decoding if s.lane == self._turn]
+        if not turn:  # that lane has no decoding sequence: the other one goes again
+            self._turn = 1 - self._turn
+            turn = decoding
+        self._turn = 1 - self._turn
+        return turn
+
     # ---- admission -----------------------------------------------------------------------
 
     def _rows_needed(self, num_prompt: int, params: RequestParams) -> int:
@@ -237,6 +270,9 @@ class Engine:
             except CacheFullError:
                 return  # wait for running sequences to finish and free their extents
             seq.cache_rows = rows
+            if self.lanes > 1:  # join the lane with fewer sequences
+                sizes = [sum(s.lane == lane for s in self.running) for lane in range(self.lanes)]
+                seq.lane = sizes.index(min(sizes))
             self.running.append(self.waiting.popleft())
 
     def _release(self, finished: list[Sequence]) -> None:
@@ -282,8 +318,8 @@ class Engine:
             return
         updates = []
         for seq in self.running:
-            if not seq.decoding:
-                continue
+            if not seq.decoding or seq.num_sent == len(seq.tokens):
+                continue  # still prefilling, or in the lane that waited this step
             seq.budget, seq.tree_round = seq.tree_budget(self.tree_budget), self.round + 1
             features = torch.cat(seq.unsent_features) if self.capture else None
             updates.append(self._delta(seq, seq.budget, features, finished=False))

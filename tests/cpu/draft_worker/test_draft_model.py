@@ -161,7 +161,7 @@ def test_reset_resyncs_and_finished_frees_the_extent(draft_dir, reference):
 
 
 def test_full_cache_or_long_context_means_root_only_then_recovers(draft_dir, reference):
-    proposer = make(draft_dir, CHAIN, kv_cache_rows=2 * (128 + 3))  # room for two sequences
+    proposer = make(draft_dir, CHAIN, kv_cache_rows=2 * (128 + 4))  # two extents: context + 4 scratch rows
     ctxs = contexts(3, seed=3)
     trees = proposer.propose([update(i, c, proposer=proposer) for i, c in enumerate(ctxs)])
     assert [t.num_nodes for t in trees] == [5, 5, 1]  # the third does not fit: no draft
@@ -268,7 +268,7 @@ def test_speculation_takes_no_rows_and_leaks_none_over_many_rounds(draft_dir, se
 
 
 def test_a_fork_past_max_model_len_or_without_an_extent_leaves_the_sequence_alone(draft_dir):
-    proposer = make(draft_dir, CHAIN, kv_cache_rows=128 + 3)  # room for one sequence
+    proposer = make(draft_dir, CHAIN, kv_cache_rows=128 + 4)  # room for one sequence
     first, second = proposer.propose(
         [update(0, list(range(120)), proposer=proposer), update(1, [5, 6], proposer=proposer)]
     )

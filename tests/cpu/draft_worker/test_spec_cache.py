@@ -83,6 +83,7 @@ def test_a_cached_tree_is_the_tree_propose_builds(method, make_proposer):
     for outcome in outcomes:
         # A fresh proposer fed the same history and this delta drafts the same tree.
         fresh = make_proposer(method)
+        fresh.outcome_rows = proposer.outcome_rows  # the cache asked its proposer for them
         fresh.propose([first])
         (expected,) = fresh.propose([make_update(1, 2, list(outcome.delta))])
         entry = cache._entries[1][outcome.delta]
@@ -92,6 +93,7 @@ def test_a_cached_tree_is_the_tree_propose_builds(method, make_proposer):
     hit = cache.lookup(make_update(1, 2, list(best.delta)))
     assert hit is not None and cache.stats.hits == 1 and cache.stats.saved_s > 0
     reference = make_proposer(method)
+    reference.outcome_rows = proposer.outcome_rows
     reference.propose([first])
     (expected,) = reference.propose([make_update(1, 2, list(best.delta))])
     assert same_tree(hit, expected)
@@ -186,7 +188,11 @@ def prompts(tiny_family):
 
 
 def generate(runner, prompts, source=None):
-    engine = Engine(runner, source, eos_token_id=None, max_batch=16, tree_budget=BUDGET, draft_timeout_s=None)
+    # One lane: the drafter idles while the whole batch verifies, the window the cache fills
+    # (with two lanes it drafts one lane while the other verifies and rarely has idle time).
+    engine = Engine(
+        runner, source, eos_token_id=None, max_batch=16, tree_budget=BUDGET, draft_timeout_s=None, lanes=1
+    )
     completions = engine.generate(prompts, RequestParams(max_tokens=32, ignore_eos=True))
     return [c.token_ids for c in completions]
 
@@ -227,6 +233,10 @@ def test_greedy_output_with_the_cache_equals_speculation_off(tiny_family, runner
                 assert wait_until(lambda p=proposer: p.num_sequences == 0)
                 assert proposer.runner.cache.free_rows == proposer.runner.cache.total_rows
             results[cache is not None] = server.stats
+            counters = source.counters
+            if cache is not None:  # guesses were pushed ahead: the engine had those trees without asking
+                assert counters.trees_pushed_used > 0
+            assert counters.trees_invalid == counters.trees_late == 0
         finally:
             source.close()
             server.stop(1)
@@ -255,13 +265,18 @@ def test_the_server_keeps_hitting_round_after_round_on_a_predictable_sequence():
             new = pattern[:sent] if round == 1 else pattern[sent - 5 : sent]  # 4 accepted + a bonus
             update = make_update(1, round, new, reset=round == 1)
             batcher.submit(stream, DraftRequest([update]).to_proto())
-            (tree,) = stream.outbox.get(timeout=10).trees
+            while not (message := stream.outbox.get(timeout=10)).trees:
+                # The trees pre-drafted for this round were pushed ahead of it; one assumed this delta.
+                assert any(list(p.new_tokens) == new for p in message.speculative)
+            (tree,) = message.trees
             assert list(tree.tokens[1:5]) == pattern[sent : sent + 4]  # the whole chain is right
             sent += 5
             deadline = time.monotonic() + 10  # let the idle drafter pre-draft the next round
             while batcher.spec_cache.has_work():
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
+            time.sleep(0.05)  # the target's verify: the idle window the server learns to fill
         assert batcher.stats.spec_cache_hits == rounds - 1
+        assert batcher.stats.trees_pushed >= rounds - 1
     finally:
         batcher.stop()

@@ -180,6 +180,40 @@ def test_greedy_speculation_equals_plain(drafter, runner, prompts, plain, tiny_f
         assert stats.num_invalid_trees == 0
 
 
+class OverlappingSource(InProcessDraftSource):
+    """An in-process proposer that claims to draft elsewhere, recording what each step collects."""
+
+    overlaps_drafting = True
+
+    def __init__(self, proposer):
+        super().__init__(proposer)
+        self.collected: list[list[int]] = []
+
+    def collect(self, seq_ids, timeout_s=None):
+        self.collected.append(list(seq_ids))
+        return super().collect(seq_ids, timeout_s)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_two_lanes_take_turns_and_change_nothing(drafter, runner, prompts, plain, tiny_family):
+    """With a source that drafts elsewhere the batch splits into two lanes verified in turn;
+    output is still plain greedy, and no step verifies both lanes while both have work."""
+    source = OverlappingSource(proposer_for(drafter, runner.model.vocab_size, tiny_family))
+    engine = Engine(runner, source, eos_token_id=None, max_batch=4, max_prefill_tokens=24)
+    assert engine.lanes == 2
+    out = engine.generate(prompts, RequestParams(max_tokens=MAX_TOKENS))
+    assert [c.token_ids for c in out] == plain
+    assert engine.stats.spec.num_drafts > 0 and engine.stats.num_invalid_trees == 0
+    assert runner.cache.free_rows == runner.cache.total_rows
+    # Steps with 4 decoding sequences verify 2 of them: one lane, never the whole batch.
+    assert any(len(ids) == 2 for ids in source.collected)
+    assert not any(len(ids) == 4 for ids in source.collected)
+    # In-process drafting happens inside collect: one lane, the whole batch each step.
+    assert make_engine(runner, proposer_for("ngram", runner.model.vocab_size)).lanes == 1
+    with pytest.raises(ValueError, match="lanes"):
+        make_engine(runner, lanes=3)
+
+
 def test_greedy_rows_unaffected_by_sampled_neighbours(runner, prompts, plain, tiny_family):
     """One batch, greedy and sampled requests interleaved, with a tree drafter."""
     greedy = RequestParams(max_tokens=MAX_TOKENS)
