@@ -63,6 +63,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # a 256-sequence batch of 64-node trees is
 DEFAULT_MAX_BATCH = 256
 DEFAULT_SPEC_CACHE = SpecCacheConfig()
 _WINDOW_EMA = 0.3  # weight of the newest idle window in its running average
+_WINDOW_MARGIN = 0.75  # plan speculation to end well before the next round is expected
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,7 @@ class DraftBatcher:
         cost, window = self.spec_cache.outcome_cost_s, self._window_s
         if cost is None or window is None or self._idle_since is None:
             return most  # nothing measured yet: try
-        left = window - (time.perf_counter() - self._idle_since)
+        left = _WINDOW_MARGIN * window - (time.perf_counter() - self._idle_since)
         return min(most, int(left / cost)) if cost > 0 else most
 
     def _speculate(self) -> None:

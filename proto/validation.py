@@ -11,7 +11,9 @@ flattened into one ragged layout (as in vLLM):
     start      0  0  0       3  3           global index of the tree's root
 
 Each check yields a boolean mask over nodes (or q entries); Python only runs for the few
-elements that fail, to write the message. A tree reports the first failing check in the
+elements that fail, to write the message. The masks are numpy arrays over views of the
+trees' CPU tensors: the same vectorised checks cost ~10x less per call than torch ops,
+which matters every round at small batches. A tree reports the first failing check in the
 order below, so later checks may assume the earlier ones passed for it: that is why parents
 are checked before depths are computed from them.
 """
@@ -20,8 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from proto import outrider_pb2 as pb
 from proto.errors import InvalidDraftError
@@ -149,7 +151,7 @@ class _Findings:
         self.messages: dict[int, str] = {}
 
     def flag(
-        self, bad: torch.Tensor, owner: torch.Tensor, template: str, **fields: torch.Tensor | int | float
+        self, bad: np.ndarray, owner: np.ndarray, template: str, **fields: np.ndarray | int | float
     ) -> None:
         """Record `template` for each tree owning a `bad` element, unless it has an error already.
 
@@ -158,21 +160,21 @@ class _Findings:
         """
         if not bool(bad.any()):
             return
-        for element in bad.nonzero().flatten().tolist():
+        for element in np.flatnonzero(bad).tolist():
             position = int(owner[element])
             if position in self.messages:
                 continue
-            values = {k: v[element].item() if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+            values = {k: v[element].item() if isinstance(v, np.ndarray) else v for k, v in fields.items()}
             tree = self.trees[position]
             self.messages[position] = f"{tree_label(tree.seq_id, tree.round)}: {template.format(**values)}"
 
 
-def _ragged(sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ragged(sizes: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For segments of `sizes`: owner [total], local index [total], segment starts [len(sizes)]."""
-    counts = torch.tensor(sizes, dtype=torch.int64)
-    starts = torch.cumsum(counts, 0) - counts
-    owner = torch.repeat_interleave(torch.arange(len(sizes)), counts)
-    local = torch.arange(int(counts.sum())) - starts[owner]
+    counts = np.array(sizes, dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    owner = np.repeat(np.arange(len(sizes)), counts)
+    local = np.arange(int(counts.sum())) - starts[owner]
     return owner, local, starts
 
 
@@ -184,12 +186,12 @@ def _check_values(
     sizes = [tree.tokens.shape[0] for tree in trees]
     owner, local, starts = _ragged(sizes)
     num_total = len(owner)
-    node = torch.arange(num_total)
-    tokens = torch.cat([tree.tokens for tree in trees])  # [num_total]
-    parents = torch.cat([tree.parents for tree in trees])  # [num_total], local indices
-    max_depth = torch.tensor([budget.max_depth for budget in budgets])[owner]  # [num_total]
-    top_k = torch.tensor([budget.top_k for budget in budgets])[owner]  # [num_total]
-    modes = torch.tensor([int(tree.sampling) for tree in trees])[owner]  # [num_total]
+    node = np.arange(num_total)
+    tokens = _cat([tree.tokens for tree in trees])  # [num_total]
+    parents = _cat([tree.parents for tree in trees])  # [num_total], local indices
+    max_depth = np.array([budget.max_depth for budget in budgets])[owner]  # [num_total]
+    top_k = np.array([budget.top_k for budget in budgets])[owner]  # [num_total]
+    modes = np.array([int(tree.sampling) for tree in trees])[owner]  # [num_total]
 
     findings.flag(
         (tokens < 0) | (tokens >= vocab_size),
@@ -213,10 +215,10 @@ def _check_values(
     )
 
     # Global parent index; a root or broken link points at itself so every walk stays in range.
-    gparent = torch.where(linked, parents + starts[owner], node)  # [num_total]
+    gparent = np.where(linked, parents + starts[owner], node)  # [num_total]
     # Depth by pointer jumping: after step s each node knows its distance to its 2^s-th
     # ancestor, so log2(max nodes) steps reach every root.
-    depth, jump = linked.long(), gparent
+    depth, jump = linked.astype(np.int64), gparent
     for _ in range((max(sizes) - 1).bit_length()):
         depth, jump = depth + depth[jump], jump[jump]
     findings.flag(
@@ -227,7 +229,7 @@ def _check_values(
         depth=depth,
         limit=max_depth,
     )
-    num_children = torch.bincount(gparent[linked], minlength=num_total)  # [num_total]
+    num_children = np.bincount(gparent[linked], minlength=num_total)  # [num_total]
     findings.flag(
         num_children > top_k,
         owner,
@@ -239,8 +241,8 @@ def _check_values(
 
     # q rows of the whole batch, padded to its widest row with padding entries (-1 / 0.0).
     width = max(tree.q_token_ids.shape[1] for tree in trees)
-    q_ids = torch.cat([_pad_to(tree.q_token_ids, width, -1) for tree in trees])  # [num_rows, width]
-    q_probs = torch.cat([_pad_to(tree.q_probs, width, 0.0) for tree in trees])  # [num_rows, width]
+    q_ids = np.concatenate([_pad_to(tree.q_token_ids, width, -1) for tree in trees])  # [num_rows, width]
+    q_probs = np.concatenate([_pad_to(tree.q_probs, width, 0.0) for tree in trees])  # [num_rows, width]
     node_row = _check_q(trees, findings, q_ids, q_probs, starts, vocab_size, prob_tolerance)
 
     # Sampled modes: the verifier needs the q each child was drawn from, and a child the
@@ -255,8 +257,8 @@ def _check_values(
     )
     if q_ids.shape[0] > 0:
         parent_row = node_row[gparent]
-        rows = parent_row.clamp(min=0)
-        in_support = ((q_ids[rows] == tokens[:, None]) & (q_probs[rows] > 0)).any(dim=1)
+        rows = np.maximum(parent_row, 0)
+        in_support = ((q_ids[rows] == tokens[:, None]) & (q_probs[rows] > 0)).any(axis=1)
         findings.flag(
             sampled & linked & (parent_row >= 0) & ~in_support,
             owner,
@@ -269,8 +271,8 @@ def _check_values(
     # verifier's q update (zero the rejected token, renormalise) wrong.
     in_vocab = (tokens >= 0) & (tokens < vocab_size)
     distinct = (modes == DraftSampling.WITHOUT_REPLACEMENT) & linked & in_vocab
-    key = torch.where(distinct, gparent * vocab_size + tokens, -1 - node)  # unique where not checked
-    _, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
+    key = np.where(distinct, gparent * vocab_size + tokens, -1 - node)  # unique where not checked
+    _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
     findings.flag(
         distinct & (counts[inverse] > 1),
         owner,
@@ -283,22 +285,28 @@ def _check_values(
     return findings.messages
 
 
-def _pad_to(values: torch.Tensor, width: int, fill: float) -> torch.Tensor:
+def _pad_to(values: torch.Tensor, width: int, fill: float) -> np.ndarray:
     """`values` [rows, k] widened to [rows, width] with `fill`; usually a no-op (same k)."""
-    if values.shape[1] == width:
-        return values
-    return F.pad(values, (0, width - values.shape[1]), value=fill)
+    array = values.numpy()
+    if array.shape[1] == width:
+        return array
+    return np.pad(array, ((0, 0), (0, width - array.shape[1])), constant_values=fill)
+
+
+def _cat(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    """1-D CPU tensors, back to back, as one numpy array (views, no copy until the concatenate)."""
+    return np.concatenate([t.numpy() for t in tensors])
 
 
 def _check_q(
     trees: Sequence[CandidateTree],
     findings: _Findings,
-    q_ids: torch.Tensor,
-    q_probs: torch.Tensor,
-    starts: torch.Tensor,
+    q_ids: np.ndarray,
+    q_probs: np.ndarray,
+    starts: np.ndarray,
     vocab_size: int,
     prob_tolerance: float,
-) -> torch.Tensor:
+) -> np.ndarray:
     """Check the batch's sparse q rows (`q_ids`, `q_probs` [num_rows, width]).
 
     Returns node_row [num_total]: each node's q row, -1 if it has none.
@@ -306,8 +314,8 @@ def _check_q(
     num_rows, width = q_ids.shape
     num_total = sum(tree.tokens.shape[0] for tree in trees)
     row_owner, row_local, _ = _ragged([tree.q_nodes.shape[0] for tree in trees])
-    q_nodes = torch.cat([tree.q_nodes for tree in trees])  # [num_rows], local indices
-    num_nodes = torch.tensor([tree.tokens.shape[0] for tree in trees])[row_owner]  # [num_rows]
+    q_nodes = _cat([tree.q_nodes for tree in trees])  # [num_rows], local indices
+    num_nodes = np.array([tree.tokens.shape[0] for tree in trees])[row_owner]  # [num_rows]
 
     in_tree = (q_nodes >= 0) & (q_nodes < num_nodes)
     findings.flag(
@@ -319,8 +327,8 @@ def _check_q(
         n=num_nodes,
     )
     # Rows outside their tree go to a spare slot past the end, so scatters stay in range.
-    slot = torch.where(in_tree, q_nodes + starts[row_owner], num_total)  # [num_rows]
-    rows_per_node = torch.bincount(slot, minlength=num_total + 1)
+    slot = np.where(in_tree, q_nodes + starts[row_owner], num_total)  # [num_rows]
+    rows_per_node = np.bincount(slot, minlength=num_total + 1)
     findings.flag(
         in_tree & (rows_per_node[slot] > 1),
         row_owner,
@@ -331,8 +339,8 @@ def _check_q(
 
     # Entry-level checks on the flattened [num_rows * width] matrices.
     ids, probs = q_ids.reshape(-1), q_probs.reshape(-1)
-    entry = {"r": row_local.repeat_interleave(width), "k": torch.arange(width).repeat(num_rows)}
-    entry_owner = row_owner.repeat_interleave(width)
+    entry = {"r": np.repeat(row_local, width), "k": np.tile(np.arange(width), num_rows)}
+    entry_owner = np.repeat(row_owner, width)
     findings.flag(
         (ids < -1) | (ids >= vocab_size),
         entry_owner,
@@ -341,9 +349,7 @@ def _check_q(
         vocab=vocab_size,
         **entry,
     )
-    findings.flag(
-        ~torch.isfinite(probs), entry_owner, "q_probs[{r}, {k}] = {v} is not finite", v=probs, **entry
-    )
+    findings.flag(~np.isfinite(probs), entry_owner, "q_probs[{r}, {k}] = {v} is not finite", v=probs, **entry)
     findings.flag(
         (probs < 0) | (probs > 1), entry_owner, "q_probs[{r}, {k}] = {v} is outside [0, 1]", v=probs, **entry
     )
@@ -355,18 +361,18 @@ def _check_q(
         **entry,
     )
     if width > 1:
-        sorted_ids = q_ids.sort(dim=1).values
+        sorted_ids = np.sort(q_ids, axis=1)
         repeated = (sorted_ids[:, 1:] == sorted_ids[:, :-1]) & (
             sorted_ids[:, 1:] >= 0
         )  # [num_rows, width - 1]
         findings.flag(
-            repeated.any(dim=1),
+            repeated.any(axis=1),
             row_owner,
             "q_token_ids[{r}] lists token {v} twice: a row is one sparse distribution",
             r=row_local,
-            v=torch.where(repeated, sorted_ids[:, 1:], -1).max(dim=1).values,
+            v=np.where(repeated, sorted_ids[:, 1:], -1).max(axis=1),
         )
-    sums = q_probs.sum(dim=1)  # [num_rows]
+    sums = q_probs.sum(axis=1, dtype=np.float64)  # [num_rows]
     findings.flag(
         sums > 1 + prob_tolerance,
         row_owner,
@@ -376,6 +382,6 @@ def _check_q(
         tolerance=prob_tolerance,
     )
 
-    node_row = torch.full((num_total + 1,), -1, dtype=torch.int64)
-    node_row[slot] = torch.arange(num_rows)
+    node_row = np.full(num_total + 1, -1, dtype=np.int64)
+    node_row[slot] = np.arange(num_rows)
     return node_row[:num_total]
