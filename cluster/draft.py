@@ -108,6 +108,7 @@ class DraftWorker:
             "cache_hits": s.spec_cache_hits,
             "cache_lookups": s.spec_cache_hits + s.spec_cache_misses,
             "cache_saved_s": s.spec_cache_saved_s,
+            "trees_pushed": s.trees_pushed,
         }
         internal_kv._internal_kv_put(
             self._key, json.dumps(entry).encode(), overwrite=True, namespace=NAMESPACE

@@ -46,6 +46,10 @@ DRAFT_COUNTERS = {
     "cache_hits": ("spec_cache_hits", "Draft rounds answered from the speculation cache."),
     "cache_lookups": ("spec_cache_lookups", "Draft rounds that looked in the speculation cache."),
     "trees_sent": ("draft_trees_sent", "Candidate trees the draft replicas sent."),
+    "trees_pushed": (
+        "draft_trees_pushed",
+        "Pre-drafted trees the draft replicas pushed ahead of their round (speculation cache).",
+    ),
 }
 SNAPSHOT_GAUGES = {
     "running": ("num_requests_running", "Sequences in the engine's batch."),

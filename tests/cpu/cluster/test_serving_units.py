@@ -113,7 +113,7 @@ def test_metrics_page_takes_the_cache_hit_rate_from_the_draft_replicas():
     metrics.snapshot({"replica": "t", "num_drafts": 5})  # target replicas report no cache keys
     metrics.draft_snapshots(
         [
-            {"replica": "draft-a", "cache_hits": 3, "cache_lookups": 4, "trees_sent": 9},
+            {"replica": "draft-a", "cache_hits": 3, "cache_lookups": 4, "trees_sent": 9, "trees_pushed": 6},
             {"replica": "draft-b", "cache_hits": 1, "cache_lookups": 4, "trees_sent": 1},
         ]
     )
@@ -123,6 +123,7 @@ def test_metrics_page_takes_the_cache_hit_rate_from_the_draft_replicas():
     assert 'outrider:spec_cache_lookups_total{model_name="m"} 8' in page
     assert 'outrider:spec_cache_hit_rate{model_name="m"} 0.625' in page
     assert 'outrider:draft_trees_sent_total{model_name="m"} 11' in page
+    assert 'outrider:draft_trees_pushed_total{model_name="m"} 6' in page
 
 
 @dataclass
