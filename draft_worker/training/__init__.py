@@ -49,6 +49,7 @@ class TrainArgs:
     data_temperatures: tuple[float, ...] = (0.0, 1.0)  # cycled over the sequences
     data_cache_dir: str | None = None  # default: $OUTRIDER_HOME/distill
     progress: bool = True
+    progress_line: int = 0  # the bar's terminal line (tqdm position), when trainers run side by side
     checkpoint_every: int = 100  # steps between resumable checkpoints
     stop_after: int | None = None  # run at most this many steps now, save, return (resume later)
 

@@ -127,7 +127,8 @@ def train_loop(
         start, meta = load_train_state(folder, module, optimizer)
         history = meta.get("losses", [])
     warmup = max(1, args.steps // 20) if warmup is None else warmup
-    interval = 0.5 if sys.stderr.isatty() else 15.0
+    terminal = sys.stderr.isatty()
+    interval = 0.5 if terminal else 15.0
     end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
     bar = tqdm(
         range(start, end),
@@ -136,6 +137,7 @@ def train_loop(
         desc=desc,
         unit="step",
         disable=not args.progress,
+        position=args.progress_line if terminal else None,  # in a log, cursor moves are noise
         mininterval=interval,
         dynamic_ncols=True,
     )

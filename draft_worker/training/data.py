@@ -120,39 +120,55 @@ def read_head_weight(target_dir: Path) -> torch.Tensor:
     return reader.read(name, torch.float32)
 
 
-def load_distill_data(args: TrainArgs, layers_fn: Callable[[int], tuple[int, ...]]) -> DistillData:
-    """The cached data for these arguments, generating it first when absent."""
+def _target_config(target_dir: Path) -> dict:
+    return json.loads((target_dir / "config.json").read_text())
+
+
+def data_spec(args: TrainArgs) -> DataSpec:
+    """The cache key of `args`' data (every layer's features: one file serves every method)."""
     target_dir = Path(args.target_dir)
-    config = json.loads((target_dir / "config.json").read_text())
-    num_layers = int(config["num_hidden_layers"])
-    layer_ids = tuple(sorted(set(layers_fn(num_layers))))
-    if any(not 0 <= i <= num_layers for i in layer_ids):
-        raise ValueError(f"feature layers {layer_ids} outside 0..{num_layers} for this target")
+    config = _target_config(target_dir)
     context = int(config.get("max_position_embeddings", 2048))
     if args.prompt_tokens + args.new_tokens > context:
         raise ValueError(
             f"prompt_tokens {args.prompt_tokens} + new_tokens {args.new_tokens} exceed the target's "
             f"context of {context}"
         )
-    spec = DataSpec(
+    return DataSpec(
         target_sha256=target_weights_sha256(target_dir),
-        layer_ids=tuple(range(num_layers + 1)),  # every layer: one file serves every method
+        layer_ids=tuple(range(int(config["num_hidden_layers"]) + 1)),
         num_sequences=args.num_sequences,
         prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens,
         temperatures=tuple(float(t) for t in args.data_temperatures),
         seed=args.seed,
     )
+
+
+def ensure_distill_data(args: TrainArgs) -> Path:
+    """The cache file of `args`' data, generated first when absent (e.g. once, before several
+    trainers load it in parallel)."""
+    spec = data_spec(args)
     cache = Path(args.data_cache_dir) if args.data_cache_dir else default_cache_dir()
     path = cache / f"{spec.digest()}.safetensors"
-    if path.is_file():
-        tensors = load_file(str(path))
-    else:
-        tensors = generate(target_dir, spec, args.device, progress=args.progress)
+    if not path.is_file():
+        tensors = generate(Path(args.target_dir), spec, args.device, progress=args.progress)
         cache.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         save_file(tensors, str(partial), metadata={"spec": json.dumps(asdict(spec))})
         partial.rename(path)
+    return path
+
+
+def load_distill_data(args: TrainArgs, layers_fn: Callable[[int], tuple[int, ...]]) -> DistillData:
+    """The cached data for these arguments, generating it first when absent."""
+    target_dir = Path(args.target_dir)
+    config = _target_config(target_dir)
+    num_layers = int(config["num_hidden_layers"])
+    layer_ids = tuple(sorted(set(layers_fn(num_layers))))
+    if any(not 0 <= i <= num_layers for i in layer_ids):
+        raise ValueError(f"feature layers {layer_ids} outside 0..{num_layers} for this target")
+    tensors = load_file(str(ensure_distill_data(args)))
     return DistillData(
         tokens=tensors["tokens"],
         features={i: tensors[f"features.{i}"] for i in layer_ids},

@@ -139,18 +139,21 @@ def mtp_loss(
     final_hidden: torch.Tensor,  # [B, T, H] the target's final hidden after its norm
     target_probs: torch.Tensor | None = None,  # [B, T, V] p_target(t_{p+1} | ..t_p), or None: hard CE
     start: int = 1,  # first row with a real h_{p-1}
-) -> tuple[torch.Tensor, torch.Tensor]:
+    agreement: bool = True,  # False: skip the argmaxes (~15% of a demo training step), return None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(loss, greedy agreement with the label) over rows start .. T-2, which predict t_{p+1}."""
     logits = head(tokens, mtp_inputs(tokens, final_hidden))[:, start:-1].float()  # [B, T-1-start, V]
     if target_probs is None:
         labels = tokens[:, start + 1 :]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        agree = logits.argmax(-1) == labels
     else:
         probs = target_probs[:, start:-1]
         loss = -(probs * logits.log_softmax(-1)).sum(-1).mean()
-        agree = logits.argmax(-1) == probs.argmax(-1)
-    return loss, agree.float().mean()
+        labels = probs.argmax(-1) if agreement else None
+    if not agreement:
+        return loss, None
+    with torch.no_grad():
+        return loss, (logits.argmax(-1) == labels).float().mean()
 
 
 def mtp_checkpoint(out_dir: str | Path, head: MTPHead, tokenizer_dir: str | Path | None = None) -> Path:
@@ -181,8 +184,10 @@ def train_mtp(args: TrainArgs, data: DistillData) -> dict:
         tokens, features = data.batch(rows)
         hidden = features[final]
         probs = data.target_logits(hidden).softmax(-1) if distill else None
-        loss, agreement = mtp_loss(head, tokens, hidden, probs)
-        last["agreement"] = float(agreement)
+        last_step = step == args.steps - 1  # the agreement is reported for the last step only
+        loss, agreement = mtp_loss(head, tokens, hidden, probs, agreement=last_step)
+        if last_step:
+            last["agreement"] = float(agreement)
         return loss
 
     metrics = train_loop(head, args, step_loss, desc="mtp head")

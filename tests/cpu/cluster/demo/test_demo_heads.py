@@ -4,6 +4,7 @@ hit trains nothing; a corrupt head is rebuilt; `--demo` resolves a method to its
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from cluster.cli import _demo_draft_dirs
 from cluster.demo import heads
@@ -40,3 +41,34 @@ def test_heads_are_cached_beside_the_family(tiny_family, monkeypatch):
 
     assert _demo_draft_dirs("tiny", "eagle3") == (folder, tiny_family.tokenizer_dir)
     assert _demo_draft_dirs("tiny", "draft_model") == (tiny_family.draft_dir, tiny_family.tokenizer_dir)
+
+
+def test_lanes_balance_the_expected_time(monkeypatch):
+    monkeypatch.setitem(heads.SECONDS_PER_STEP, "tiny", {"a": 3.0, "b": 2.0, "c": 2.0, "d": 1.0})
+    recipes = {m: HeadRecipe(steps=10) for m in "abcd"}
+    plan = heads.lanes("tiny", recipes, 2)
+    assert [list(lane) for lane in plan] == [["a", "d"], ["b", "c"]]
+    assert all(lane[m] is recipes[m] for lane in plan for m in lane)  # the recipes travel with them
+    assert [list(lane) for lane in heads.lanes("tiny", recipes, 8)] == [["a"], ["b"], ["c"], ["d"]]
+
+
+def test_heads_build_side_by_side_in_spawned_processes(tiny_family, monkeypatch):
+    """Two heads in two lanes: the lanes get the recipes from here (a recipe patched in this
+    process is the one they train), the log lines come back, and a second call is a hit."""
+    eagle3 = replace(QUICK, steps=2)  # not the head the test above builds
+    medusa = HeadRecipe(steps=2, num_sequences=48, prompt_tokens=32, new_tokens=64, options={"num_heads": 2})
+    monkeypatch.setitem(heads.HEAD_RECIPES["tiny"], "eagle3", eagle3)
+    monkeypatch.setitem(heads.HEAD_RECIPES["tiny"], "medusa", medusa)
+    logs: list[str] = []
+    folders = ensure_demo_heads(tiny_family, ["eagle3", "medusa"], progress=False, log=logs.append, workers=2)
+    assert any("in 2 processes" in line for line in logs), logs
+    assert sum("training the" in line for line in logs) == 2
+    for method, recipe in (("eagle3", eagle3), ("medusa", medusa)):
+        assert folders[method] == heads.head_dir(tiny_family, method, recipe)
+        assert heads.verify_head(folders[method])["recipe"]["steps"] == recipe.steps
+    logs.clear()
+    assert (
+        ensure_demo_heads(tiny_family, ["eagle3", "medusa"], progress=False, log=logs.append, workers=2)
+        == folders
+    )
+    assert logs == []
