@@ -237,12 +237,10 @@ class DraftBatcher:
         return self.spec_cache is not None and self.spec_cache.has_work()
 
     def _idle_work(self) -> bool:
-        return self._speculation_budget() > 0
+        return self._idle_work_waiting() and self._outcomes_that_fit() > 0
 
-    def _speculation_budget(self) -> int:
+    def _outcomes_that_fit(self) -> int:
         """Outcomes to pre-draft now: as many as should be done before the next real round."""
-        if not self._idle_work_waiting():
-            return 0
         most = self.spec_cache.config.max_outcomes
         cost, window = self.spec_cache.outcome_cost_s, self._window_s
         if cost is None or window is None or self._idle_since is None:
@@ -251,23 +249,27 @@ class DraftBatcher:
         return min(most, int(left / cost)) if cost > 0 else most
 
     def _speculate(self) -> None:
-        """One sequence's speculation, pushed to its target; a real round waits only for it."""
-        try:
-            seq_id, guesses = self.spec_cache.run_one(max(1, self._speculation_budget()))
-        except Exception:  # a failed guess costs only the cache
-            log.exception("speculation failed")
-            return
-        if seq_id not in self._owner or not guesses:
-            return
-        stream, target_id = self._owner[seq_id]
-        pushed = [
-            pb.SpeculativeTree(
+        """One sequence's speculation, each tree pushed to its target as soon as it is drafted;
+        it stops when a real round arrives or the next outcome would not fit the idle window."""
+
+        def push(seq_id: int, update: SequenceUpdate, tree: CandidateTree) -> None:
+            if seq_id not in self._owner:
+                return
+            stream, target_id = self._owner[seq_id]
+            guess = pb.SpeculativeTree(
                 new_tokens=update.new_tokens.tolist(), tree=replace(tree, seq_id=target_id).to_proto()
             )
-            for update, tree in guesses
-        ]
-        self._stats.trees_pushed += len(pushed)
-        stream.outbox.put(pb.DraftResponse(speculative=pushed))
+            self._stats.trees_pushed += 1
+            stream.outbox.put(pb.DraftResponse(speculative=[guess]))
+
+        try:
+            self.spec_cache.run_one(
+                max_outcomes=max(1, self._outcomes_that_fit()),
+                keep_going=lambda: not self._pending and self._outcomes_that_fit() > 0,
+                push=push,
+            )
+        except Exception:  # a failed guess costs only the cache
+            log.exception("speculation failed")
 
     def _draft(self, items: list[_Item]) -> None:
         batch: dict[int, SequenceUpdate] = {}  # internal id -> this batch's (merged) update

@@ -39,7 +39,7 @@ cached entry is dropped: its tree was drafted before that state changed.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -154,7 +154,7 @@ class SpecCache:
         self._jobs: dict[int, tuple[SequenceUpdate, CandidateTree]] = {}  # seq_id -> round r's pair
         self._sent: dict[int, CandidateTree] = {}  # seq_id -> the tree its next delta answers
         self.acceptance = AcceptanceModel()
-        self.outcome_cost_s: float | None = None  # running average of a job's time per outcome
+        self.outcome_cost_s: float | None = None  # running average of one outcome's drafting
         shares = proposer.retire_shares_state
         self._retire_shares = type(proposer).retire is not Proposer.retire if shares is None else shares
 
@@ -219,33 +219,41 @@ class SpecCache:
             self.outcome_cost_s *= 0.8
 
     def run_one(
-        self, max_outcomes: int | None = None
-    ) -> tuple[int, list[tuple[SequenceUpdate, CandidateTree]]]:
-        """Speculate for one scheduled sequence, at most `max_outcomes` (default: the config's);
-        returns it and its (hypothetical update, tree) pairs, best first, so the server can
-        push them to the target ahead of time."""
+        self,
+        max_outcomes: int | None = None,
+        keep_going: Callable[[], bool] = lambda: True,
+        push: Callable[[int, SequenceUpdate, CandidateTree], None] | None = None,
+    ) -> int:
+        """Speculate for one scheduled sequence; returns its seq_id.
+
+        Outcomes are drafted one at a time, best first (at most `max_outcomes`, default the
+        config's), each tree handed to `push` as soon as it exists, and the job stops when
+        `keep_going()` turns False (a real round arrived): a real round waits for at most
+        one outcome's drafting, and the likeliest guesses are out first.
+        """
         seq_id = next(iter(self._jobs))
         update, tree = self._jobs.pop(seq_id)
         started = time.perf_counter()
         outcomes = self.outcomes(update, tree)[:max_outcomes]
-        updates = [
-            replace(update, round=update.round + 1, new_tokens=_tensor(o.delta, update)) for o in outcomes
-        ]
-        drafting = time.perf_counter()
-        drafted = self.proposer.speculate(seq_id, updates) if updates else None
-        done = time.perf_counter()
-        self.stats.drafting_s += done - started
-        if outcomes:
-            per, cost = (done - started) / len(outcomes), self.outcome_cost_s
-            self.outcome_cost_s = per if cost is None else cost + 0.3 * (per - cost)
-        if not drafted:
-            return seq_id, []
-        share = (done - drafting) / len(drafted)  # fork + extend + draft of one outcome
         self._release(self._entries.pop(seq_id, {}).values())
-        self._entries[seq_id] = {
-            o.delta: _Entry(u, t, s, share) for o, u, (t, s) in zip(outcomes, updates, drafted, strict=True)
-        }
-        return seq_id, [(u, t) for u, (t, _) in zip(updates, drafted, strict=True)]
+        entries = self._entries[seq_id] = {}
+        for i, outcome in enumerate(outcomes):
+            if i and not keep_going():
+                break
+            guess = replace(update, round=update.round + 1, new_tokens=_tensor(outcome.delta, update))
+            drafting = time.perf_counter()
+            drafted = self.proposer.speculate(seq_id, [guess])  # fork + extend + draft
+            cost = time.perf_counter() - drafting
+            if not drafted:
+                break
+            ((guessed_tree, state),) = drafted
+            entries[outcome.delta] = _Entry(guess, guessed_tree, state, cost)
+            ema = self.outcome_cost_s
+            self.outcome_cost_s = cost if ema is None else ema + 0.3 * (cost - ema)
+            if push is not None:
+                push(seq_id, guess, guessed_tree)
+        self.stats.drafting_s += time.perf_counter() - started
+        return seq_id
 
     def outcomes(self, update: SequenceUpdate, tree: CandidateTree) -> list[Outcome]:
         """The `max_outcomes` most likely (accepted path, bonus token) pairs, best first."""
