@@ -81,6 +81,39 @@ print(json.dumps({"cache_on": server.servicer.batcher.spec_cache is not None, **
 """
 
 
+# Each process multiplies by an 8 MB matrix (the small target's LM head), alone and then both
+# at once: whether the two cores are independent hardware or share cache and memory bandwidth.
+CONTENTION_MAIN = """
+import sys, time, torch
+torch.set_num_threads(1)
+w, x = torch.randn(8192, 256), torch.randn(16, 256)
+for _ in range(50):
+    x @ w.t()
+start, n = time.perf_counter(), 0
+while time.perf_counter() - start < 2:
+    x @ w.t()
+    n += 1
+print(1e6 * (time.perf_counter() - start) / n)
+"""
+
+
+def core_contention() -> dict:
+    """Microseconds per LM-head-sized matmul, one process alone and two side by side."""
+
+    def run(count: int) -> list[float]:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", CONTENTION_MAIN], stdout=subprocess.PIPE, text=True, env=env
+            )
+            for _ in range(count)
+        ]
+        return [float(p.communicate()[0]) for p in procs]
+
+    alone, paired = run(1)[0], statistics.mean(run(2))
+    return {"measure": "core_contention", "alone_us": alone, "paired_us": paired, "slowdown": paired / alone}
+
+
 def start_server(config: dict) -> tuple[subprocess.Popen, int]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     process = subprocess.Popen(
@@ -265,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         model_id=f"demo-{args.size}-target",
         limits=Limits(256, 64, 8, 8),
     )
-    rows = [round_trip(family, handshake, batch, args.iterations) for batch in (1, 16)]
+    rows = [core_contention(), *(round_trip(family, handshake, batch, args.iterations) for batch in (1, 16))]
 
     tokenizer = AutoTokenizer.from_pretrained(family.tokenizer_dir)
     batches = [int(b) for b in args.batches.split(",")]
@@ -285,9 +318,13 @@ def main(argv: list[str] | None = None) -> int:
         f"Demo family `{args.size}`, greedy, `mid` prompts of {args.prompt_tokens} tokens, {args.max_tokens} new "
         f"tokens each, {args.repeats} repeats in rotating order (medians). One torch thread per process. "
         "co-located = the proposer in the engine's process, drafting on the critical path; "
-        "disaggregated = a draft server process over loopback gRPC, without and with the speculation "
+        "disaggregated = a draft server process over loopback gRPC (at batch > 1 the engine verifies "
+        "in two lanes that take turns), without and with the speculation "
         "cache (`cache_hit_rate` = hits / lookups on the server; `cache_saved_ms` = drafting time "
-        "the hits did not spend). Method options: "
+        "the hits did not spend; `pushed_used` = rounds a pushed tree answered). `core_contention`: "
+        "an 8 MB matmul (the target's LM head) alone and in both processes at once; a slowdown "
+        "above 1 means the two cores share cache and memory bandwidth, so a drafter busy on the "
+        "other core slows the target's forward. Method options: "
         + "; ".join(f"{m}: {METHOD_OPTIONS[m]}" for m in args.methods.split(","))
     )
     json_path, _ = write_report(
