@@ -234,7 +234,10 @@ def test_greedy_output_with_the_cache_equals_speculation_off(tiny_family, runner
                 assert proposer.runner.cache.free_rows == proposer.runner.cache.total_rows
             results[cache is not None] = server.stats
             counters = source.counters
-            if cache is not None:  # guesses were pushed ahead: the engine had those trees without asking
+            if cache is not None and method == "ngram":
+                # Guesses drafted in microseconds reach the target long before its next round:
+                # the engine had those trees without asking. (A slower drafter's guesses may
+                # come after the real round, which is then answered as usual.)
                 assert counters.trees_pushed_used > 0
             assert counters.trees_invalid == counters.trees_late == 0
         finally:
