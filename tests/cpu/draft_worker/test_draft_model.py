@@ -281,3 +281,29 @@ def test_a_fork_past_max_model_len_or_without_an_extent_leaves_the_sequence_alon
     assert proposer.runner.cache.free_rows == 0
     again = proposer.propose([update(0, [3], round=1, proposer=proposer)])[0]
     assert again.num_nodes == 5
+
+
+def test_outcome_rows_name_the_runner_up_and_the_q_after_the_last_draft(draft_dir, reference):
+    """With `outcome_rows` (the speculation cache sets it) a greedy chain's q rows are the draft's
+    top 2 at every node, the leaf included, so the cache ranks outcomes without probing."""
+    from draft_worker.spec_cache import SpecCache, SpecCacheConfig
+
+    proposer = make(draft_dir, CHAIN)
+    cache = SpecCache(proposer, SpecCacheConfig(max_outcomes=4))
+    assert proposer.outcome_rows
+    context = contexts(1, seed=9)[0]
+    first = update(0, context, proposer=proposer)
+    (tree,) = proposer.propose([first])
+    assert tree.num_nodes == 5 and tree.q_nodes.tolist() == [0, 1, 2, 3, 4]  # a row at the leaf too
+    assert tree.q_token_ids.shape[1] == 2
+    assert_q_matches(tree, context, GREEDY, reference)
+    assert_valid([tree], [first], 2048)
+    probes = []
+    speculate = proposer.speculate
+    proposer.speculate = lambda *args: probes.append(args) or speculate(*args)
+    outcomes = cache.outcomes(first, tree)
+    assert not probes  # every node has a row: nothing to draft just to find a bonus token
+    leaf_row = tree.q_token_ids[4].tolist()
+    full = [o for o in outcomes if len(o.path) == 4]
+    assert full and all(o.bonus in leaf_row for o in full)
+    assert any(len(o.path) < 4 for o in outcomes)  # runner-ups give partial-acceptance guesses

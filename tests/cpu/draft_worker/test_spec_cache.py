@@ -283,3 +283,50 @@ def test_the_server_keeps_hitting_round_after_round_on_a_predictable_sequence():
         assert batcher.stats.trees_pushed >= rounds - 1
     finally:
         batcher.stop()
+
+
+def test_acceptance_rates_are_learned_from_the_real_deltas():
+    """Each real delta shows how far the tree it answers was accepted: per-depth counts, with a
+    0.7 prior, drive how outcomes are ranked."""
+    proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
+    cache = SpecCache(proposer, SpecCacheConfig())
+    first = make_update(1, 1, REPEAT, reset=True)
+    (tree,) = proposer.propose([first])
+    assert tree.tokens[1:].tolist() == [11, 3, 7, 9] and cache.acceptance.rate(1) == pytest.approx(0.7)
+    cache.schedule(first, tree)
+    cache.lookup(make_update(1, 2, [11, 3, 5]))  # 11 and 3 accepted, 7 rejected: bonus 5
+    rate = cache.acceptance.rate
+    assert (rate(1), rate(2), rate(3)) == pytest.approx((2.4 / 3, 2.4 / 3, 1.4 / 3))
+    model = cache.acceptance
+    model.observe(tree, [8])  # rejected at depth 1
+    model.observe(tree, [11, 3, 7, 9, 4])  # the whole chain: nothing rejected below the leaf
+    assert (model.reached, model.accepted) == ([3, 2, 2, 1], [2, 2, 1, 1])
+    # A model that has seen mostly full acceptance puts the full path first.
+    for _ in range(20):
+        model.observe(tree, [11, 3, 7, 9, 4])
+    assert len(cache.outcomes(first, tree)[0].path) == 4
+
+
+def test_speculation_runs_only_when_an_outcome_fits_the_idle_window():
+    from draft_worker.server import DraftBatcher
+
+    proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
+    limits = Limits(max_batch=8, max_nodes=8, max_depth=4, max_top_k=2)
+    batcher = DraftBatcher(
+        proposer, DraftIdentity("ngram", VOCAB, "fp"), limits, SpecCacheConfig(max_outcomes=4)
+    )
+    batcher.stop()  # its thread is gone: the scheduling decisions are called directly below
+    cache = batcher.spec_cache
+    first = make_update(1, 1, REPEAT, reset=True)
+    cache.schedule(first, proposer.propose([first])[0])
+    assert batcher._idle_work()  # nothing measured yet: try
+    batcher._window_s, batcher._idle_since = 0.010, time.perf_counter()  # rounds come every ~10 ms
+    cache.outcome_cost_s = 0.020  # one outcome takes 20 ms: it would delay the next round
+    assert not batcher._idle_work()
+    cache.outcome_cost_s = 0.002
+    assert 1 <= batcher._outcomes_that_fit() <= 3  # 75% of the window, less the time already idle
+    cache.outcome_cost_s = 0.020
+    for _ in range(20):  # real rounds keep coming before the job is tried: its cost estimate decays
+        cache.job_skipped()
+    batcher._idle_since = time.perf_counter()
+    assert batcher._idle_work()
