@@ -242,8 +242,14 @@ class Engine:
         """The decoding sequences this step verifies: all of them, or the lane whose turn it is."""
         if self.lanes == 1:
             return decoding
-        turn = [s for s in decoding if s.lane == self._turn]
-        if not turn:  # that lane has no decoding sequence: the other one goes again
+        lanes = [[s for s in decoding if s.lane == lane] for lane in (0, 1)]
+        while abs(len(lanes[0]) - len(lanes[1])) > 1:  # sequences ended unevenly: even the lanes out
+            big = int(len(lanes[1]) > len(lanes[0]))
+            moved = lanes[big].pop()  # safe at any time: its tree is awaited by round, not by lane
+            moved.lane = 1 - big
+            lanes[1 - big].append(moved)
+        turn = lanes[self._turn]
+        if not turn:  # a single decoding sequence: it goes every step
             self._turn = 1 - self._turn
             turn = decoding
         self._turn = 1 - self._turn

@@ -214,6 +214,22 @@ def test_two_lanes_take_turns_and_change_nothing(drafter, runner, prompts, plain
         make_engine(runner, lanes=3)
 
 
+def test_lanes_even_out_when_sequences_end_unevenly(runner):
+    """Lane sizes drift as sequences end; each step first moves sequences so the two lanes
+    differ by at most one, or the lane left alone would wait for its drafts every step."""
+    from target_worker.sequence import Sequence
+
+    engine = Engine(
+        runner, OverlappingSource(proposer_for("ngram", runner.model.vocab_size)), eos_token_id=None
+    )
+    seqs = [Sequence(i, RequestParams(), [1, 2], 1, None) for i in range(5)]  # all in lane 0
+    first = engine._lane_to_verify(seqs)
+    sizes = sorted(sum(s.lane == lane for s in seqs) for lane in (0, 1))
+    assert sizes == [2, 3]
+    second = engine._lane_to_verify(seqs)
+    assert sorted(s.seq_id for s in first + second) == list(range(5))  # the lanes take turns
+
+
 def test_greedy_rows_unaffected_by_sampled_neighbours(runner, prompts, plain, tiny_family):
     """One batch, greedy and sampled requests interleaved, with a tree drafter."""
     greedy = RequestParams(max_tokens=MAX_TOKENS)
