@@ -19,9 +19,13 @@
     (target_worker.engine), so the server drafts one lane while the target verifies the other.
 
 Both processes use one torch thread each, so on the 2-core machine they run side by side:
-the real-world point of disaggregation (the drafter has hardware of its own). Each batch size
-runs plain, co-located and both disaggregated variants back to back, `--repeats` times in
-rotating order; medians are reported, speedups are ratios to plain within the same repeat.
+the real-world point of disaggregation (the drafter has hardware of its own). With `--pin`
+(the default) they are pinned to disjoint cores, as a deployment would give a draft worker
+its own device; unpinned, the scheduler moves each process's thread to whichever core is
+free when it wakes from waiting on the other, so both start every step with cold caches.
+Each batch size runs plain, co-located and both disaggregated variants once unmeasured
+(warm-up), then back to back `--repeats` times in rotating order; medians are reported,
+speedups are ratios to plain within the same repeat.
 """
 
 from __future__ import annotations
@@ -41,13 +45,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 # The server process: `--echo` answers with fixed trees (transport only), else a real proposer.
 SERVER_MAIN = """
-import json, sys, torch
+import json, os, sys
+args = json.loads(sys.argv[1])
+if args.get("cpus"):  # before any thread exists: every thread the server starts inherits it
+    os.sched_setaffinity(0, args["cpus"])
+import torch
 torch.set_num_threads(1)
 from draft_worker.server import DraftIdentity, serve
 from draft_worker.server_cli import build_server_proposer
 from target_worker.draft_client import tokenizer_fingerprint
 from pathlib import Path
-args = json.loads(sys.argv[1])
 if args["method"] == "echo":
     from draft_worker import build_proposer
     from proto import CandidateTree
@@ -114,7 +121,24 @@ def core_contention() -> dict:
     return {"measure": "core_contention", "alone_us": alone, "paired_us": paired, "slowdown": paired / alone}
 
 
+def pin_cores() -> tuple[list[int], list[int]] | None:
+    """(the target's CPUs, the draft server's): two disjoint halves of what this process may use,
+    or None with fewer than two. Each process then keeps its own core's caches: unpinned, the
+    scheduler moves a thread that woke from a wait onto whichever core is free, often the one
+    the other process just ran on, and both start their next step with cold caches."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return cpus[:half], cpus[half:]
+
+
+PINNED: tuple[list[int], list[int]] | None = None  # set by main() with --pin
+
+
 def start_server(config: dict) -> tuple[subprocess.Popen, int]:
+    if PINNED is not None:
+        config = {**config, "cpus": PINNED[1]}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     process = subprocess.Popen(
         [sys.executable, "-c", SERVER_MAIN, json.dumps(config)],
@@ -226,6 +250,8 @@ def compare_at_batch(runner, prompts, method, options, dirs, handshake, batch, a
     speedups: dict[str, list[float]] = {mode: [] for mode in sources}
     order = list(sources)
     try:
+        for source in sources.values():  # warm-up, not measured: first forwards, a server's first rounds
+            throughput(runner, prompts, source, batch, min(args.max_tokens, 32))
         for repeat in range(args.repeats):
             shift = repeat % len(order)
             this = {}
@@ -279,8 +305,18 @@ def main(argv: list[str] | None = None) -> int:
         default=4,
         help="verify outcomes pre-drafted per round (cache rows)",
     )
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pin this process (target) and the draft server to disjoint cores (default: on)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    global PINNED
+    PINNED = pin_cores() if args.pin else None
+    if PINNED is not None:  # before any thread starts: threads inherit the calling thread's mask
+        os.sched_setaffinity(0, PINNED[0])
 
     from transformers import AutoTokenizer
 
@@ -316,8 +352,14 @@ def main(argv: list[str] | None = None) -> int:
             rows += compare_at_batch(runner, prompts[:batch], method, options, dirs, handshake, batch, args)
     notes = (
         f"Demo family `{args.size}`, greedy, `mid` prompts of {args.prompt_tokens} tokens, {args.max_tokens} new "
-        f"tokens each, {args.repeats} repeats in rotating order (medians). One torch thread per process. "
-        "co-located = the proposer in the engine's process, drafting on the critical path; "
+        f"tokens each, {args.repeats} repeats in rotating order (medians) after one unmeasured warm-up "
+        "run per mode. One torch thread per process"
+        + (
+            f"; the target process is pinned to CPUs {PINNED[0]} and the draft server to {PINNED[1]}. "
+            if PINNED
+            else ", not pinned. "
+        )
+        + "co-located = the proposer in the engine's process, drafting on the critical path; "
         "disaggregated = a draft server process over loopback gRPC (at batch > 1 the engine verifies "
         "in two lanes that take turns), without and with the speculation "
         "cache (`cache_hit_rate` = hits / lookups on the server; `cache_saved_ms` = drafting time "
@@ -330,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path, _ = write_report(
         f"disagg_{args.size}",
         rows,
-        {"size": args.size, "argv": sys.argv[1:]},
+        {"size": args.size, "argv": sys.argv[1:], "pinned": PINNED},
         title="Disaggregated drafting",
         notes=notes,
         columns=list(dict.fromkeys(key for row in rows for key in row)),

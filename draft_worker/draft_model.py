@@ -200,6 +200,7 @@ class DraftModelProposer(Proposer[DraftModelState]):
         base, forks = made
         scratch = self._scratch_extents(base, forks)
         try:
+            self.check_interrupted()
             if scratch is not None:
                 for fork, start in zip(forks, scratch, strict=True):
                     fork.start = fork.start if start is None else start
@@ -336,6 +337,7 @@ class DraftModelProposer(Proposer[DraftModelState]):
         active = [b for b, n in enumerate(lengths) if n > 0]
         logits = root_logits[active]  # [len(active), vocab]
         for depth in range(max(lengths, default=0) + extra):
+            self.check_interrupted()  # only while speculating (Proposer.interrupted)
             top_q, top_t = logits.float().softmax(-1).topk(width, dim=-1)  # [len(active), width] each
             for b, tokens, qs in zip(active, top_t.tolist(), top_q.tolist(), strict=True):
                 if depth < lengths[b]:

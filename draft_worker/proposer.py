@@ -47,6 +47,10 @@ class NoOptions:
     """For methods without keys of their own."""
 
 
+class SpeculationInterrupted(Exception):
+    """A guess (`Proposer.speculate`) was abandoned because a real round is waiting."""
+
+
 class Proposer(abc.ABC, Generic[StateT]):
     method: ClassVar[str] = ""  # set by @register_proposer
     Options: ClassVar[type] = NoOptions  # the method's own config keys, as dataclass fields
@@ -63,6 +67,10 @@ class Proposer(abc.ABC, Generic[StateT]):
         # at the price of one more draft step, so the cache ranks outcomes without probes.
         # Methods that ignore it leave the cache to probe.
         self.outcome_rows = False
+        # Also set by the speculation cache while it speculates: True once a real round is
+        # waiting. A method that drafts in steps checks it between them and raises
+        # `SpeculationInterrupted`, so a real round waits for one draft step, not a whole guess.
+        self.interrupted: Callable[[], bool] | None = None
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._states: dict[int, StateT] = {}
@@ -130,6 +138,11 @@ class Proposer(abc.ABC, Generic[StateT]):
             return None
         forks = made[1]
         return list(zip(self.draft(updates, forks), forks, strict=True))
+
+    def check_interrupted(self) -> None:
+        """Between draft steps: raise `SpeculationInterrupted` when a real round is waiting."""
+        if self.interrupted is not None and self.interrupted():
+            raise SpeculationInterrupted
 
     def _extended_forks(
         self, seq_id: int, updates: Sequence[SequenceUpdate]

@@ -267,6 +267,7 @@ class DraftBatcher:
                 max_outcomes=max(1, self._outcomes_that_fit()),
                 keep_going=lambda: not self._pending and self._outcomes_that_fit() > 0,
                 push=push,
+                interrupted=lambda: bool(self._pending),  # a real round came in
             )
         except Exception:  # a failed guess costs only the cache
             log.exception("speculation failed")

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from draft_worker.proposer import Proposer
+from draft_worker.proposer import Proposer, SpeculationInterrupted
 from proto import CandidateTree, SequenceUpdate
 
 
@@ -61,6 +61,7 @@ class SpecStats:
     misses: int = 0  # eligible updates (not reset/finished, no features) that found no entry
     saved_s: float = 0.0  # drafting the hits did not do: each hit's share of its speculate() call
     drafting_s: float = 0.0  # all time spent speculating (outcome probes included), hits or not
+    interrupted: int = 0  # guesses abandoned mid-draft because a real round was waiting
 
 
 @dataclass
@@ -223,13 +224,16 @@ class SpecCache:
         max_outcomes: int | None = None,
         keep_going: Callable[[], bool] = lambda: True,
         push: Callable[[int, SequenceUpdate, CandidateTree], None] | None = None,
+        interrupted: Callable[[], bool] | None = None,
     ) -> int:
         """Speculate for one scheduled sequence; returns its seq_id.
 
         Outcomes are drafted one at a time, best first (at most `max_outcomes`, default the
         config's), each tree handed to `push` as soon as it exists, and the job stops when
-        `keep_going()` turns False (a real round arrived): a real round waits for at most
-        one outcome's drafting, and the likeliest guesses are out first.
+        `keep_going()` turns False (the next outcome would not fit, or a real round arrived).
+        `interrupted()` True (a real round is waiting) abandons the outcome being drafted at
+        the proposer's next draft step (`Proposer.interrupted`), so a real round waits for
+        one draft step, not a whole guess; the likeliest guesses are out first.
         """
         seq_id = next(iter(self._jobs))
         update, tree = self._jobs.pop(seq_id)
@@ -237,23 +241,45 @@ class SpecCache:
         outcomes = self.outcomes(update, tree)[:max_outcomes]
         self._release(self._entries.pop(seq_id, {}).values())
         entries = self._entries[seq_id] = {}
-        for i, outcome in enumerate(outcomes):
-            if i and not keep_going():
-                break
-            guess = replace(update, round=update.round + 1, new_tokens=_tensor(outcome.delta, update))
-            drafting = time.perf_counter()
-            drafted = self.proposer.speculate(seq_id, [guess])  # fork + extend + draft
-            cost = time.perf_counter() - drafting
-            if not drafted:
-                break
-            ((guessed_tree, state),) = drafted
-            entries[outcome.delta] = _Entry(guess, guessed_tree, state, cost)
-            ema = self.outcome_cost_s
-            self.outcome_cost_s = cost if ema is None else ema + 0.3 * (cost - ema)
-            if push is not None:
-                push(seq_id, guess, guessed_tree)
+        self.proposer.interrupted = interrupted
+        try:
+            for i, outcome in enumerate(outcomes):
+                if i and not keep_going():
+                    break
+                if not self._draft_outcome(seq_id, update, outcome, entries, push):
+                    break
+        finally:
+            self.proposer.interrupted = None
         self.stats.drafting_s += time.perf_counter() - started
         return seq_id
+
+    def _draft_outcome(
+        self,
+        seq_id: int,
+        update: SequenceUpdate,
+        outcome: Outcome,
+        entries: dict[tuple[int, ...], _Entry],
+        push: Callable[[int, SequenceUpdate, CandidateTree], None] | None,
+    ) -> bool:
+        """Draft one outcome into `entries` and push it; False when nothing was drafted
+        (the sequence cannot be forked, or a real round interrupted the drafting)."""
+        guess = replace(update, round=update.round + 1, new_tokens=_tensor(outcome.delta, update))
+        drafting = time.perf_counter()
+        try:
+            drafted = self.proposer.speculate(seq_id, [guess])  # fork + extend + draft
+        except SpeculationInterrupted:
+            self.stats.interrupted += 1
+            return False
+        cost = time.perf_counter() - drafting
+        if not drafted:
+            return False
+        ((guessed_tree, state),) = drafted
+        entries[outcome.delta] = _Entry(guess, guessed_tree, state, cost)
+        ema = self.outcome_cost_s
+        self.outcome_cost_s = cost if ema is None else ema + 0.3 * (cost - ema)
+        if push is not None:
+            push(seq_id, guess, guessed_tree)
+        return True
 
     def outcomes(self, update: SequenceUpdate, tree: CandidateTree) -> list[Outcome]:
         """The `max_outcomes` most likely (accepted path, bonus token) pairs, best first."""

@@ -126,10 +126,10 @@ class _Sequence:
     endpoint: _Endpoint | None = None  # where it is synced
     generation: int = -1  # that endpoint's stream generation when it was synced
     misses: int = 0  # consecutive rounds with no answer
-    budget: TreeBudget | None = None  # of its last update: pushed trees are checked against it
-    # Pre-drafted trees the worker pushed (SpeculativeTree), already checked:
-    # the delta they assume -> (round, the budget they were checked against, tree).
-    pushed: dict[tuple[int, ...], tuple[int, TreeBudget, CandidateTree]] = field(default_factory=dict)
+    budget: TreeBudget | None = None  # of its last update
+    # Pre-drafted trees the worker pushed (SpeculativeTree), still as received: the delta
+    # they assume -> the message. Only the one whose delta comes true is decoded and checked.
+    pushed: dict[tuple[int, ...], pb.SpeculativeTree] = field(default_factory=dict)
     answered: int = -1  # the last round a pushed tree answered; the worker's own answer is a duplicate
 
 
@@ -318,8 +318,10 @@ class RemoteDraftSource(DraftSource):
         self._awaiting[seq_id] = _Awaited(update.round, budget, root, endpoint, delta)
         pushed = state.pushed.get(delta) if not (stale or update.reset) else None
         state.pushed, state.budget = {}, budget
-        if pushed is not None and pushed[:2] == (update.round, budget):
-            self._answer(seq_id, state, pushed[2])  # the worker guessed this outcome: no waiting
+        if pushed is not None and pushed.tree.round == update.round:
+            tree = self._checked_pushed(endpoint, pushed, budget, delta)
+            if tree is not None:
+                self._answer(seq_id, state, tree)  # the worker guessed this outcome: no waiting
         return self._wire(replace(update, budget=budget)), endpoint
 
     def _answer(self, seq_id: int, state: _Sequence, tree: CandidateTree) -> None:
@@ -430,6 +432,8 @@ class RemoteDraftSource(DraftSource):
                 self._cond.notify_all()
 
     def _receive(self, endpoint: _Endpoint, message: pb.DraftResponse) -> None:
+        if __import__("os").environ.get("DROPPUSH") and message.speculative:
+            return
         with self._cond:
             current = []
             if message.speculative:
@@ -463,39 +467,47 @@ class RemoteDraftSource(DraftSource):
             self._cond.notify_all()
 
     def _receive_pushed(self, endpoint: _Endpoint, pushed: Sequence[pb.SpeculativeTree]) -> None:
-        """Pre-drafted trees (under the lock): checked now, used when their outcome comes true."""
-        fresh: list[tuple[int, _Sequence, tuple[int, ...], CandidateTree]] = []
+        """Pre-drafted trees (under the lock): kept as received, decoded and checked only when
+        their outcome comes true (`_checked_pushed`).
+
+        This runs on the receive thread while the engine's thread verifies; Python work here
+        holds the GIL that thread needs between its torch ops, and most guesses never come
+        true, so a guess costs a dict entry until it is used.
+        """
         for message in pushed:
-            seq_id, delta = message.tree.seq_id, tuple(message.new_tokens)
+            seq_id, delta, round_ = message.tree.seq_id, tuple(message.new_tokens), message.tree.round
             state = self._seqs.get(seq_id)
             if state is None or state.endpoint is not endpoint or state.budget is None or not delta:
                 continue  # gone, moved, or never asked
-            try:
-                tree = CandidateTree.from_proto(message.tree)
-            except InvalidDraftError as error:
-                log.debug("draft worker %s: dropped a pushed tree: %s", endpoint.address, error)
-                self.counters.trees_pushed_dropped += 1
-                continue
-            fresh.append((seq_id, state, delta, tree))
-        trees = [tree for *_, tree in fresh]
-        errors = (
-            check_trees(trees, [s.budget for _, s, _, _ in fresh], self.handshake.vocab_size) if fresh else []
-        )
-        for (seq_id, state, delta, tree), error in zip(fresh, errors, strict=True):
-            if error is not None or int(tree.tokens[0]) != delta[-1]:
-                # Unasked guesses: one drafted under the last budget may not fit the next (it
-                # shrinks near max_tokens), so these are counted apart from invalid answers.
-                log.debug(
-                    "draft worker %s: dropped a pushed tree: %s", endpoint.address, error or "wrong root"
-                )
-                self.counters.trees_pushed_dropped += 1
-                continue
             awaited = self._awaiting.get(seq_id)
-            if awaited is not None and awaited.round == tree.round:  # its round is open already
-                if awaited.delta == delta and awaited.endpoint is endpoint and awaited.budget == state.budget:
-                    self._answer(seq_id, state, tree)
-            elif tree.round > state.answered and (awaited is None or tree.round > awaited.round):
-                state.pushed[delta] = (tree.round, state.budget, tree)
+            if awaited is not None and awaited.round == round_:  # its round is open already
+                if awaited.delta == delta and awaited.endpoint is endpoint:
+                    tree = self._checked_pushed(endpoint, message, awaited.budget, delta)
+                    if tree is not None:
+                        self._answer(seq_id, state, tree)
+            elif round_ > state.answered and (awaited is None or round_ > awaited.round):
+                state.pushed[delta] = message
+
+    def _checked_pushed(
+        self, endpoint: _Endpoint, message: pb.SpeculativeTree, budget: TreeBudget, delta: tuple[int, ...]
+    ) -> CandidateTree | None:
+        """The pushed tree, decoded and checked against the round's budget; None (counted) if bad.
+
+        Unasked guesses are counted apart from invalid answers: one drafted under the last
+        budget may not fit the next (it shrinks near max_tokens).
+        """
+        try:
+            tree = CandidateTree.from_proto(message.tree)
+            (error,) = check_trees([tree], [budget], self.handshake.vocab_size)
+        except InvalidDraftError as invalid:
+            error = invalid
+        if error is None and int(tree.tokens[0]) != delta[-1]:
+            error = "wrong root"
+        if error is None:
+            return tree
+        log.debug("draft worker %s: dropped a pushed tree: %s", endpoint.address, error)
+        self.counters.trees_pushed_dropped += 1
+        return None
 
     def _fetch_projection(
         self, stub: pb_grpc.DraftServiceStub, response: HandshakeResponse, metadata: tuple | None

@@ -330,3 +330,32 @@ def test_speculation_runs_only_when_an_outcome_fits_the_idle_window():
         cache.job_skipped()
     batcher._idle_since = time.perf_counter()
     assert batcher._idle_work()
+
+
+def test_a_real_round_interrupts_a_guess_mid_draft(make_proposer):
+    """`interrupted()` turning True abandons the outcome at the draft model's next step: no entry,
+    nothing pushed, and the sequence's own state drafts exactly as if nobody had speculated."""
+    proposer = make_proposer("draft_model")
+    cache = SpecCache(proposer, SpecCacheConfig(max_outcomes=2))
+    first = make_update(1, 1, REPEAT, reset=True)
+    (tree,) = proposer.propose([first])
+    rows = proposer.runner.cache.free_rows
+    steps = []
+
+    def interrupted() -> bool:  # a real round arrives after two draft steps of the first guess
+        steps.append(1)
+        return len(steps) > 2
+
+    pushed = []
+    cache.schedule(first, tree)
+    cache.run_one(push=lambda *a: pushed.append(a), interrupted=interrupted)
+    assert cache.stats.interrupted == 1 and len(steps) == 3
+    assert not pushed and not cache._entries[1]
+    assert proposer.interrupted is None  # only set while speculating
+    assert proposer.runner.cache.free_rows == rows  # the scratch extent went back
+    delta = make_update(1, 2, [int(tree.tokens[1]), 5])
+    assert cache.lookup(delta) is None  # a miss: the real round drafts
+    reference = make_proposer("draft_model")
+    reference.outcome_rows = proposer.outcome_rows
+    reference.propose([first])
+    assert same_tree(proposer.propose([delta])[0], reference.propose([delta])[0])
