@@ -89,6 +89,8 @@ class ServerStats:
     spec_cache_misses: int = 0
     spec_cache_saved_s: float = 0.0
     spec_drafting_s: float = 0.0
+    spec_interrupted: int = 0  # guesses abandoned at a draft step because a real round came in
+    spec_gated: int = 0  # rounds not speculated for while guesses rarely came true
     trees_pushed: int = 0  # pre-drafted trees sent ahead of their round (SpeculativeTree)
 
 
@@ -142,6 +144,7 @@ class DraftBatcher:
             spec = self.spec_cache.stats
             self._stats.spec_cache_hits, self._stats.spec_cache_misses = spec.hits, spec.misses
             self._stats.spec_cache_saved_s, self._stats.spec_drafting_s = spec.saved_s, spec.drafting_s
+            self._stats.spec_interrupted, self._stats.spec_gated = spec.interrupted, spec.gated
         return self._stats
 
     def open_stream(self) -> _Stream:

@@ -25,7 +25,10 @@ would have built, so the tree is exactly the one `propose` would have drafted.
 
 Speculation runs on the drafting thread only when no real update is pending, one sequence
 at a time, and the server starts a job only when it expects it to end before the next real
-round (`DraftBatcher._idle_work`). The server also pushes each job's trees to the target
+round (`DraftBatcher._idle_work`); a real round that arrives anyway interrupts the guess at
+its next draft step (`Proposer.interrupted`). While fewer than `min_hit_rate` of the rounds
+speculated for hit, only one round in `probe_every` is: with no idle time to finish guesses,
+or with the target's lanes already hiding the round trip, guessing only delays real rounds. The server also pushes each job's trees to the target
 (`SpeculativeTree`), so a hit costs no round trip: the target holds the tree before it asks. A
 proposer that cannot fork (`can_fork` False) or that needs target features (eagle3,
 medusa, mtp: the delta's features exist only once the target has verified it) is never
@@ -53,6 +56,11 @@ from proto import CandidateTree, SequenceUpdate
 class SpecCacheConfig:
     max_outcomes: int = 4  # pre-drafted outcomes per sequence and round
     bonus_per_node: int = 2  # bonus-token guesses per end node before the top-M cut
+    # Below this hit rate (of the rounds speculated for), only one round in `probe_every` is
+    # speculated for: guesses that rarely come true (no idle time to finish them, the target's
+    # lanes already hide the round trip, an unpredictable drafter) only delay real rounds.
+    min_hit_rate: float = 0.25
+    probe_every: int = 8
 
 
 @dataclass
@@ -62,6 +70,7 @@ class SpecStats:
     saved_s: float = 0.0  # drafting the hits did not do: each hit's share of its speculate() call
     drafting_s: float = 0.0  # all time spent speculating (outcome probes included), hits or not
     interrupted: int = 0  # guesses abandoned mid-draft because a real round was waiting
+    gated: int = 0  # rounds not speculated for while the hit rate was below min_hit_rate
 
 
 @dataclass
@@ -81,6 +90,10 @@ class Outcome:
     @property
     def delta(self) -> tuple[int, ...]:
         return (*self.path, self.bonus)
+
+
+_HIT_RATE_EMA = 0.1  # weight of the newest tried round in the hit rate
+_MIN_TRIED = 20  # tried rounds before the hit rate can gate speculation
 
 
 def supports_speculation(proposer: Any) -> bool:
@@ -156,6 +169,11 @@ class SpecCache:
         self._sent: dict[int, CandidateTree] = {}  # seq_id -> the tree its next delta answers
         self.acceptance = AcceptanceModel()
         self.outcome_cost_s: float | None = None  # running average of one outcome's drafting
+        # Hit rate of the rounds speculation was tried for (EMA; `_tried` = their seq_ids): a
+        # round never tried says nothing about whether trying pays.
+        self.hit_rate, self._tried_count = 1.0, 0
+        self._tried: set[int] = set()
+        self._since_probe = 0
         shares = proposer.retire_shares_state
         self._retire_shares = type(proposer).retire is not Proposer.retire if shares is None else shares
 
@@ -177,6 +195,10 @@ class SpecCache:
                 entry = None
             if entry is None:
                 self.stats.misses += 1
+            if update.seq_id in self._tried:
+                self._tried_count += 1
+                self.hit_rate += _HIT_RATE_EMA * (float(entry is not None) - self.hit_rate)
+        self._tried.discard(update.seq_id)
         self._release(e for e in entries.values() if e is not entry)
         if entry is None:
             return None
@@ -188,12 +210,23 @@ class SpecCache:
     def schedule(self, update: SequenceUpdate, tree: CandidateTree) -> None:
         """Round `update.round` was answered with `tree`: pre-draft the next round when idle."""
         if not update.finished and update.features is None and tree.num_nodes > 1:
-            self._jobs[update.seq_id] = (update, tree)
             self._sent[update.seq_id] = tree
+            if self.gated():
+                self._since_probe += 1
+                if self._since_probe < self.config.probe_every:
+                    self.stats.gated += 1
+                    return
+                self._since_probe = 0
+            self._jobs[update.seq_id] = (update, tree)
+
+    def gated(self) -> bool:
+        """Whether guesses have been coming true too rarely to be worth drafting (config)."""
+        return self._tried_count >= _MIN_TRIED and self.hit_rate < self.config.min_hit_rate
 
     def forget(self, seq_id: int) -> None:
         self._jobs.pop(seq_id, None)
         self._sent.pop(seq_id, None)
+        self._tried.discard(seq_id)
         self._release(self._entries.pop(seq_id, {}).values())
 
     def retired(self) -> None:
@@ -237,6 +270,7 @@ class SpecCache:
         """
         seq_id = next(iter(self._jobs))
         update, tree = self._jobs.pop(seq_id)
+        self._tried.add(seq_id)
         started = time.perf_counter()
         outcomes = self.outcomes(update, tree)[:max_outcomes]
         self._release(self._entries.pop(seq_id, {}).values())

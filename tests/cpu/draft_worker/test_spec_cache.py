@@ -217,7 +217,7 @@ def wait_until(condition, timeout_s: float = 10.0) -> bool:
 def test_greedy_output_with_the_cache_equals_speculation_off(tiny_family, runner, prompts, method):
     plain = generate(runner, prompts)
     results = {}
-    for cache in (SpecCacheConfig(), None):
+    for cache in (SpecCacheConfig(min_hit_rate=0.0), None):  # never gated: every round is guessed
         proposer = build_server_proposer(
             method, {"num_speculative_tokens": 4}, tiny_family.draft_dir, tiny_family.tokenizer_dir
         )
@@ -226,6 +226,15 @@ def test_greedy_output_with_the_cache_equals_speculation_off(tiny_family, runner
         )
         server = serve(proposer, identity, address="127.0.0.1:0", speculation_cache=cache)
         source = connect(tiny_family, server.port)
+        collect = source.collect
+
+        def slow_collect(seq_ids, timeout_s=None):
+            # A verify as slow as a real target's: the tiny one's is shorter than a draft_model
+            # guess, which a real round would then interrupt every time (no hits to check).
+            time.sleep(0.01)
+            return collect(seq_ids, timeout_s)
+
+        source.collect = slow_collect
         try:
             assert source.wait_ready(10)
             assert generate(runner, prompts, source) == plain
@@ -359,3 +368,32 @@ def test_a_real_round_interrupts_a_guess_mid_draft(make_proposer):
     reference.outcome_rows = proposer.outcome_rows
     reference.propose([first])
     assert same_tree(proposer.propose([delta])[0], reference.propose([delta])[0])
+
+
+def test_guesses_that_rarely_come_true_are_drafted_only_now_and_then():
+    """Below min_hit_rate (of the rounds speculated for) one round in probe_every is speculated
+    for, so the rate keeps being measured, and speculation resumes once guesses come true."""
+    proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
+    cache = SpecCache(proposer, SpecCacheConfig(min_hit_rate=0.25, probe_every=4))
+    update = make_update(1, 1, REPEAT, reset=True)
+    (tree,) = proposer.propose([update])
+    scheduled = []
+    for round in range(2, 70):
+        cache.schedule(update, tree)
+        scheduled.append(cache.has_work())
+        if cache.has_work():
+            cache.run_one()
+        guesses = list(cache._entries.get(1, {}))
+        if round >= 45 and guesses:  # from here on the drafter guesses right
+            delta = list(guesses[0])
+        else:  # a delta no guess assumed, of a token the context repeats (so the tree has nodes)
+            delta = [next(t for t in (3, 7, 9, 11, 12) if (t,) not in guesses)]
+        update = make_update(1, round, delta)
+        tree = cache.lookup(update) or proposer.propose([update])[0]
+        assert tree.num_nodes > 1
+    first_gated = scheduled.index(False)
+    assert 15 <= first_gated <= 25  # about 20 tried rounds, all missed, before the gate closes
+    gated = scheduled[first_gated:44]
+    assert sum(gated) in (len(gated) // 4, len(gated) // 4 + 1)  # one probe round in four
+    assert cache.stats.gated == scheduled.count(False)
+    assert all(scheduled[-10:]) and not cache.gated()  # probes hit from round 45: the gate opened
