@@ -228,7 +228,7 @@ def test_greedy_output_with_the_cache_equals_speculation_off(tiny_family, runner
         source = connect(tiny_family, server.port)
         collect = source.collect
 
-        def slow_collect(seq_ids, timeout_s=None):
+        def slow_collect(seq_ids, timeout_s=None, collect=collect):
             # A verify as slow as a real target's: the tiny one's is shorter than a draft_model
             # guess, which a real round would then interrupt every time (no hits to check).
             time.sleep(0.01)
