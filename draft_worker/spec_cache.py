@@ -81,6 +81,13 @@ class _Entry:
     cost_s: float
 
 
+@dataclass
+class _Job:
+    update: SequenceUpdate  # round r's update and the tree that answered it
+    tree: CandidateTree
+    outcomes: list[Outcome] | None = None  # ranked once, then drafted best first; None = not yet
+
+
 @dataclass(frozen=True)
 class Outcome:
     score: float
@@ -102,22 +109,33 @@ def supports_speculation(proposer: Any) -> bool:
 
 
 class AcceptanceModel:
-    """How often the target accepts a draft at each depth, counted from real deltas."""
+    """How often the target accepts a draft at each depth, counted from real deltas: over all
+    sequences, and per sequence, whose own counts pull away from the global rate as they grow
+    (one prompt the drafter predicts perfectly and one it never does share a drafter)."""
 
     PRIOR, PRIOR_WEIGHT = 0.7, 2.0
+    GLOBAL_WEIGHT = 4.0  # a sequence's own rounds that weigh as much as the global rate
 
     def __init__(self) -> None:
         self.reached: list[int] = []  # [depth - 1] rounds whose accepted path reached the parent depth
         self.accepted: list[int] = []  # [depth - 1] ... and accepted a node at this depth
+        self._per_seq: dict[int, tuple[list[int], list[int]]] = {}  # seq_id -> (reached, accepted)
 
-    def rate(self, depth: int) -> float:
-        """P(a node at `depth` >= 1 is accepted | its parent was)."""
+    def rate(self, depth: int, seq_id: int | None = None) -> float:
+        """P(a node at `depth` >= 1 is accepted | its parent was), for `seq_id` if given."""
         i = depth - 1
-        seen, kept = (self.reached[i], self.accepted[i]) if i < len(self.reached) else (0, 0)
-        return (kept + self.PRIOR * self.PRIOR_WEIGHT) / (seen + self.PRIOR_WEIGHT)
+        seen, kept = _counts(self.reached, self.accepted, i)
+        overall = (kept + self.PRIOR * self.PRIOR_WEIGHT) / (seen + self.PRIOR_WEIGHT)
+        if seq_id is None or seq_id not in self._per_seq:
+            return overall
+        seen, kept = _counts(*self._per_seq[seq_id], i)
+        return (kept + overall * self.GLOBAL_WEIGHT) / (seen + self.GLOBAL_WEIGHT)
 
-    def observe(self, tree: CandidateTree, delta: list[int]) -> None:
+    def observe(self, tree: CandidateTree, delta: list[int], seq_id: int | None = None) -> None:
         """The real delta after `tree`: its accepted path (all but the last token) walks the tree."""
+        counts = [(self.reached, self.accepted)]
+        if seq_id is not None:
+            counts.append(self._per_seq.setdefault(seq_id, ([], [])))
         children = _children(tree)
         tokens = tree.tokens.tolist()
         node, depth = 0, 0
@@ -125,15 +143,23 @@ class AcceptanceModel:
             kids = children.get(node, [])
             if not kids:
                 return  # a leaf: nothing was rejected below it
-            while len(self.reached) <= depth:
-                self.reached.append(0)
-                self.accepted.append(0)
-            self.reached[depth] += 1
             match = next((k for k in kids if tokens[k] == token), None)
+            for reached, accepted in counts:
+                while len(reached) <= depth:
+                    reached.append(0)
+                    accepted.append(0)
+                reached[depth] += 1
+                accepted[depth] += match is not None
             if match is None:
                 return
-            self.accepted[depth] += 1
             node, depth = match, depth + 1
+
+    def forget(self, seq_id: int) -> None:
+        self._per_seq.pop(seq_id, None)
+
+
+def _counts(reached: list[int], accepted: list[int], i: int) -> tuple[int, int]:
+    return (reached[i], accepted[i]) if i < len(reached) else (0, 0)
 
 
 def _children(tree: CandidateTree) -> dict[int, list[int]]:
@@ -165,7 +191,7 @@ class SpecCache:
         proposer.outcome_rows = True
         self.stats = SpecStats()
         self._entries: dict[int, dict[tuple[int, ...], _Entry]] = {}  # seq_id -> delta -> entry
-        self._jobs: dict[int, tuple[SequenceUpdate, CandidateTree]] = {}  # seq_id -> round r's pair
+        self._jobs: dict[int, _Job] = {}  # seq_id -> round r's pair, in the order they are run
         self._sent: dict[int, CandidateTree] = {}  # seq_id -> the tree its next delta answers
         self.acceptance = AcceptanceModel()
         self.outcome_cost_s: float | None = None  # running average of one outcome's drafting
@@ -184,7 +210,7 @@ class SpecCache:
         self._jobs.pop(update.seq_id, None)
         sent = self._sent.pop(update.seq_id, None)
         if sent is not None and not (update.finished or update.reset):
-            self.acceptance.observe(sent, update.new_tokens.tolist())
+            self.acceptance.observe(sent, update.new_tokens.tolist(), update.seq_id)
         entries = self._entries.pop(update.seq_id, {})
         entry = None
         if not (update.finished or update.reset or update.features is not None):
@@ -217,7 +243,7 @@ class SpecCache:
                     self.stats.gated += 1
                     return
                 self._since_probe = 0
-            self._jobs[update.seq_id] = (update, tree)
+            self._jobs[update.seq_id] = _Job(update, tree)
 
     def gated(self) -> bool:
         """Whether guesses have been coming true too rarely to be worth drafting (config)."""
@@ -227,6 +253,7 @@ class SpecCache:
         self._jobs.pop(seq_id, None)
         self._sent.pop(seq_id, None)
         self._tried.discard(seq_id)
+        self.acceptance.forget(seq_id)
         self._release(self._entries.pop(seq_id, {}).values())
 
     def retired(self) -> None:
@@ -246,12 +273,6 @@ class SpecCache:
     def has_work(self) -> bool:
         return bool(self._jobs)
 
-    def job_skipped(self) -> None:
-        """A real round came before a waiting job was tried (it did not seem to fit): shrink the
-        cost estimate, so one slow job (a warm-up) cannot stop speculation for good."""
-        if self.outcome_cost_s is not None:
-            self.outcome_cost_s *= 0.8
-
     def run_one(
         self,
         max_outcomes: int | None = None,
@@ -259,31 +280,44 @@ class SpecCache:
         push: Callable[[int, SequenceUpdate, CandidateTree], None] | None = None,
         interrupted: Callable[[], bool] | None = None,
     ) -> int:
-        """Speculate for one scheduled sequence; returns its seq_id.
+        """Speculate for the first scheduled sequence; returns its seq_id.
 
-        Outcomes are drafted one at a time, best first (at most `max_outcomes`, default the
-        config's), each tree handed to `push` as soon as it exists, and the job stops when
-        `keep_going()` turns False (the next outcome would not fit, or a real round arrived).
-        `interrupted()` True (a real round is waiting) abandons the outcome being drafted at
-        the proposer's next draft step (`Proposer.interrupted`), so a real round waits for
-        one draft step, not a whole guess; the likeliest guesses are out first.
+        Its outcomes are ranked once and drafted one at a time, best first, each tree handed
+        to `push` as soon as it exists; this call drafts at most `max_outcomes` (default: all
+        the config allows) and stops early when `keep_going()` turns False (the next outcome
+        would not fit, a real round arrived, or another sequence waits for its turn: a job
+        with outcomes left goes to the back of the queue, so every sequence's likeliest guess
+        comes before anyone's second). `interrupted()` True (a real round is waiting)
+        abandons the outcome being drafted at the proposer's next draft step
+        (`Proposer.interrupted`): a real round waits for one draft step, not a whole guess.
         """
         seq_id = next(iter(self._jobs))
-        update, tree = self._jobs.pop(seq_id)
+        job = self._jobs.pop(seq_id)
         self._tried.add(seq_id)
         started = time.perf_counter()
-        outcomes = self.outcomes(update, tree)[:max_outcomes]
-        self._release(self._entries.pop(seq_id, {}).values())
-        entries = self._entries[seq_id] = {}
+        if job.outcomes is None:
+            job.outcomes = self.outcomes(job.update, job.tree)
+            self._release(self._entries.pop(seq_id, {}).values())
+        entries = self._entries.setdefault(seq_id, {})
+        drafted, requeue = 0, True
         self.proposer.interrupted = interrupted
         try:
-            for i, outcome in enumerate(outcomes):
-                if i and not keep_going():
+            while job.outcomes and (max_outcomes is None or drafted < max_outcomes):
+                if drafted and not keep_going():
                     break
-                if not self._draft_outcome(seq_id, update, outcome, entries, push):
+                outcome = job.outcomes.pop(0)
+                done = self._draft_outcome(seq_id, job.update, outcome, entries, push)
+                if done is None:  # interrupted: the outcome waits for its turn again
+                    job.outcomes.insert(0, outcome)
                     break
+                if not done:  # the sequence cannot be forked: nothing more to guess
+                    requeue = False
+                    break
+                drafted += 1
         finally:
             self.proposer.interrupted = None
+        if requeue and job.outcomes:
+            self._jobs[seq_id] = job
         self.stats.drafting_s += time.perf_counter() - started
         return seq_id
 
@@ -294,16 +328,16 @@ class SpecCache:
         outcome: Outcome,
         entries: dict[tuple[int, ...], _Entry],
         push: Callable[[int, SequenceUpdate, CandidateTree], None] | None,
-    ) -> bool:
-        """Draft one outcome into `entries` and push it; False when nothing was drafted
-        (the sequence cannot be forked, or a real round interrupted the drafting)."""
+    ) -> bool | None:
+        """Draft one outcome into `entries` and push it; False when the sequence cannot be
+        forked, None when a real round interrupted the drafting."""
         guess = replace(update, round=update.round + 1, new_tokens=_tensor(outcome.delta, update))
         drafting = time.perf_counter()
         try:
             drafted = self.proposer.speculate(seq_id, [guess])  # fork + extend + draft
         except SpeculationInterrupted:
             self.stats.interrupted += 1
-            return False
+            return None
         cost = time.perf_counter() - drafting
         if not drafted:
             return False
@@ -328,14 +362,14 @@ class SpecCache:
             mass = sum(row.get(tokens[s], 0.0) for s in siblings)
             share = row.get(tokens[node], 0.0) / mass if mass > 0 else 1 / len(siblings)
             depth.append(depth[parent] + 1)
-            reach.append(reach[parent] * self.acceptance.rate(depth[node]) * share)
+            reach.append(reach[parent] * self.acceptance.rate(depth[node], update.seq_id) * share)
             paths.append((*paths[parent], tokens[node]))
         candidates: list[Outcome] = []
         leaves: list[tuple[float, tuple[int, ...]]] = []
         for node in range(len(tokens)):
             kids = {tokens[k] for k in children.get(node, [])}
             # The accepted path ends here: no child accepted (or none to accept).
-            end = reach[node] * ((1 - self.acceptance.rate(depth[node] + 1)) if kids else 1.0)
+            end = reach[node] * ((1 - self.acceptance.rate(depth[node] + 1, update.seq_id)) if kids else 1.0)
             if end <= 0:
                 continue
             if node in rows:
