@@ -91,7 +91,10 @@ print(json.dumps({"cache_on": server.servicer.batcher.spec_cache is not None, **
 # Each process multiplies by an 8 MB matrix (the small target's LM head), alone and then both
 # at once: whether the two cores are independent hardware or share cache and memory bandwidth.
 CONTENTION_MAIN = """
-import sys, time, torch
+import json, os, sys
+if len(sys.argv) > 1:
+    os.sched_setaffinity(0, json.loads(sys.argv[1]))
+import time, torch
 torch.set_num_threads(1)
 w, x = torch.randn(8192, 256), torch.randn(16, 256)
 for _ in range(50):
@@ -109,11 +112,13 @@ def core_contention() -> dict:
 
     def run(count: int) -> list[float]:
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        # Pinned like the target and the draft server: one process on each side.
+        pins = [[json.dumps(half)] for half in PINNED] if PINNED else [[], []]
         procs = [
             subprocess.Popen(
-                [sys.executable, "-c", CONTENTION_MAIN], stdout=subprocess.PIPE, text=True, env=env
+                [sys.executable, "-c", CONTENTION_MAIN, *pins[i]], stdout=subprocess.PIPE, text=True, env=env
             )
-            for _ in range(count)
+            for i in range(count)
         ]
         return [float(p.communicate()[0]) for p in procs]
 

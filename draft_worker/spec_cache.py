@@ -188,7 +188,7 @@ class SpecCache:
 
     def __init__(self, proposer: Proposer, config: SpecCacheConfig):
         self.proposer, self.config = proposer, config
-        proposer.outcome_rows = True
+        proposer.outcome_rows = True  # off while gated: nobody ranks the outcomes of most rounds
         self.stats = SpecStats()
         self._entries: dict[int, dict[tuple[int, ...], _Entry]] = {}  # seq_id -> delta -> entry
         self._jobs: dict[int, _Job] = {}  # seq_id -> round r's pair, in the order they are run
@@ -225,6 +225,9 @@ class SpecCache:
                 self._tried_count += 1
                 self.hit_rate += _HIT_RATE_EMA * (float(entry is not None) - self.hit_rate)
         self._tried.discard(update.seq_id)
+        # While gated, most rounds are never guessed for: their extra draft step for outcome
+        # rows would only slow real drafting (a probe round ranks its outcomes by drafting).
+        self.proposer.outcome_rows = not self.gated()
         self._release(e for e in entries.values() if e is not entry)
         if entry is None:
             return None

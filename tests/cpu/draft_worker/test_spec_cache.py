@@ -393,6 +393,7 @@ def test_guesses_that_rarely_come_true_are_drafted_only_now_and_then():
         update = make_update(1, round, delta)
         tree = cache.lookup(update) or proposer.propose([update])[0]
         assert tree.num_nodes > 1
+        assert proposer.outcome_rows == (not cache.gated())  # no extra draft step while gated
     first_gated = scheduled.index(False)
     assert 15 <= first_gated <= 25  # about 20 tried rounds, all missed, before the gate closes
     gated = scheduled[first_gated:44]
