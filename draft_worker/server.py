@@ -309,7 +309,8 @@ class DraftBatcher:
             for update in batch.values():  # a hit's round is speculated on like a drafted one
                 if hits[update.seq_id] is not None:
                     self.spec_cache.schedule(update, hits[update.seq_id])
-            self._send([t for t in hits.values() if t is not None])
+            # A target that answered the round from the pushed guess needs no copy of it.
+            self._send([t for i, t in hits.items() if t is not None and not batch[i].answered])
             batch = {i: u for i, u in batch.items() if hits[i] is None}
         if batch:
             self._propose(list(batch.values()))

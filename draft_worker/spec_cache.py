@@ -27,8 +27,10 @@ Speculation runs on the drafting thread only when no real update is pending, one
 at a time, and the server starts a job only when it expects it to end before the next real
 round (`DraftBatcher._idle_work`); a real round that arrives anyway interrupts the guess at
 its next draft step (`Proposer.interrupted`). While fewer than `min_hit_rate` of the rounds
-speculated for hit, only one round in `probe_every` is: with no idle time to finish guesses,
-or with the target's lanes already hiding the round trip, guessing only delays real rounds. The server also pushes each job's trees to the target
+speculated for were answered by a pushed guess in time (the target says so:
+`SequenceUpdate.answered`), only one round in `probe_every` (and fewer, the longer it lasts)
+is: with no idle time to finish guesses, or with the target's lanes already hiding the
+round trip, guessing only delays real rounds. The server also pushes each job's trees to the target
 (`SpeculativeTree`), so a hit costs no round trip: the target holds the tree before it asks. A
 proposer that cannot fork (`can_fork` False) or that needs target features (eagle3,
 medusa, mtp: the delta's features exist only once the target has verified it) is never
@@ -56,11 +58,14 @@ from proto import CandidateTree, SequenceUpdate
 class SpecCacheConfig:
     max_outcomes: int = 4  # pre-drafted outcomes per sequence and round
     bonus_per_node: int = 2  # bonus-token guesses per end node before the top-M cut
-    # Below this hit rate (of the rounds speculated for), only one round in `probe_every` is
-    # speculated for: guesses that rarely come true (no idle time to finish them, the target's
-    # lanes already hide the round trip, an unpredictable drafter) only delay real rounds.
+    # Below this rate of guesses that came true *in time* (the target answered the round from
+    # the pushed tree: `SequenceUpdate.answered`) among the rounds speculated for, only one
+    # round in `probe_every` is speculated for, doubling up to `max_probe_every` while it
+    # stays low: guesses that come late (no idle time to finish them, the target's lanes
+    # already hide the round trip) or come true rarely only delay real rounds.
     min_hit_rate: float = 0.25
     probe_every: int = 8
+    max_probe_every: int = 128
 
 
 @dataclass
@@ -199,7 +204,7 @@ class SpecCache:
         # round never tried says nothing about whether trying pays.
         self.hit_rate, self._tried_count = 1.0, 0
         self._tried: set[int] = set()
-        self._since_probe = 0
+        self._since_probe, self._probe_every = 0, config.probe_every
         shares = proposer.retire_shares_state
         self._retire_shares = type(proposer).retire is not Proposer.retire if shares is None else shares
 
@@ -223,7 +228,8 @@ class SpecCache:
                 self.stats.misses += 1
             if update.seq_id in self._tried:
                 self._tried_count += 1
-                self.hit_rate += _HIT_RATE_EMA * (float(entry is not None) - self.hit_rate)
+                in_time = entry is not None and update.answered
+                self.hit_rate += _HIT_RATE_EMA * (float(in_time) - self.hit_rate)
         self._tried.discard(update.seq_id)
         # While gated, most rounds are never guessed for: their extra draft step for outcome
         # rows would only slow real drafting (a probe round ranks its outcomes by drafting).
@@ -240,12 +246,15 @@ class SpecCache:
         """Round `update.round` was answered with `tree`: pre-draft the next round when idle."""
         if not update.finished and update.features is None and tree.num_nodes > 1:
             self._sent[update.seq_id] = tree
-            if self.gated():
+            if not self.gated():
+                self._probe_every = self.config.probe_every
+            else:
                 self._since_probe += 1
-                if self._since_probe < self.config.probe_every:
+                if self._since_probe < self._probe_every:
                     self.stats.gated += 1
                     return
                 self._since_probe = 0
+                self._probe_every = min(2 * self._probe_every, self.config.max_probe_every)
             self._jobs[update.seq_id] = _Job(update, tree)
 
     def gated(self) -> bool:
@@ -298,13 +307,16 @@ class SpecCache:
         job = self._jobs.pop(seq_id)
         self._tried.add(seq_id)
         started = time.perf_counter()
-        if job.outcomes is None:
-            job.outcomes = self.outcomes(job.update, job.tree)
-            self._release(self._entries.pop(seq_id, {}).values())
-        entries = self._entries.setdefault(seq_id, {})
         drafted, requeue = 0, True
         self.proposer.interrupted = interrupted
         try:
+            if job.outcomes is None:
+                self._release(self._entries.pop(seq_id, {}).values())
+                try:  # ranking may draft probes (a tree without outcome rows): interruptible too
+                    job.outcomes = self.outcomes(job.update, job.tree)
+                except SpeculationInterrupted:
+                    self.stats.interrupted += 1  # ranked again on its next turn
+            entries = self._entries.setdefault(seq_id, {})
             while job.outcomes and (max_outcomes is None or drafted < max_outcomes):
                 if drafted and not keep_going():
                     break
@@ -319,7 +331,7 @@ class SpecCache:
                 drafted += 1
         finally:
             self.proposer.interrupted = None
-        if requeue and job.outcomes:
+        if requeue and (job.outcomes is None or job.outcomes):
             self._jobs[seq_id] = job
         self.stats.drafting_s += time.perf_counter() - started
         return seq_id

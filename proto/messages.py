@@ -92,6 +92,7 @@ class SequenceUpdate:
     features: torch.Tensor | None = None
     finished: bool = False  # the drafter may free this sequence's state
     reset: bool = False  # new_tokens is the full context: drop cached state first
+    answered: bool = False  # the target holds this round's tree already (a pushed guess came true)
 
     def to_proto(self) -> pb.SequenceUpdate:
         message = pb.SequenceUpdate(
@@ -102,6 +103,7 @@ class SequenceUpdate:
             budget=self.budget.to_proto(),
             finished=self.finished,
             reset=self.reset,
+            answered=self.answered,
         )
         if self.features is not None:
             message.features.CopyFrom(encode_tensor(self.features))
@@ -122,6 +124,7 @@ class SequenceUpdate:
             features=features,
             finished=message.finished,
             reset=message.reset,
+            answered=message.answered,
         )
 
     @classmethod

@@ -136,7 +136,7 @@ class TreeBudget(_message.Message):
     def __init__(self, max_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., top_k: _Optional[int] = ..., q_width: _Optional[int] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("seq_id", "round", "new_tokens", "features", "sampling", "budget", "finished", "reset")
+    __slots__ = ("seq_id", "round", "new_tokens", "features", "sampling", "budget", "finished", "reset", "answered")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class SequenceUpdate(_message.Message):
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -153,7 +154,8 @@ class SequenceUpdate(_message.Message):
     budget: TreeBudget
     finished: bool
     reset: bool
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., budget: _Optional[_Union[TreeBudget, _Mapping]] = ..., finished: _Optional[bool] = ..., reset: _Optional[bool] = ...) -> None: ...
+    answered: bool
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., budget: _Optional[_Union[TreeBudget, _Mapping]] = ..., finished: _Optional[bool] = ..., reset: _Optional[bool] = ..., answered: _Optional[bool] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("updates",)

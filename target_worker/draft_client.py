@@ -318,11 +318,13 @@ class RemoteDraftSource(DraftSource):
         self._awaiting[seq_id] = _Awaited(update.round, budget, root, endpoint, delta)
         pushed = state.pushed.get(delta) if not (stale or update.reset) else None
         state.pushed, state.budget = {}, budget
+        answered = False
         if pushed is not None and pushed.tree.round == update.round:
             tree = self._checked_pushed(endpoint, pushed, budget, delta)
             if tree is not None:
                 self._answer(seq_id, state, tree)  # the worker guessed this outcome: no waiting
-        return self._wire(replace(update, budget=budget)), endpoint
+                answered = True  # so it sends no duplicate, and knows its guess was in time
+        return self._wire(replace(update, budget=budget, answered=answered)), endpoint
 
     def _answer(self, seq_id: int, state: _Sequence, tree: CandidateTree) -> None:
         """A pushed tree answers the awaited round (under the lock)."""

@@ -17,9 +17,11 @@ never idles while the drafter drafts, and vice versa:
     step k+1:  verify lane B  |  drafter drafts lane A's trees
 
 Each step then verifies about half the batch; a round of every sequence costs two half-size
-forwards instead of one forward plus the drafting of the whole batch. One decoding sequence
-has nothing to overlap with, and in-process drafting runs inside `collect`, so both keep one
-lane (the speculation cache is what hides the drafter at batch 1).
+forwards instead of one forward plus the drafting of the whole batch. Whether that pays
+depends on how long drafting takes next to verifying, so by default the engine measures
+both modes as it runs and uses the faster (`target_worker.lanes.LaneTuner`). One decoding
+sequence has nothing to overlap with, and in-process drafting runs inside `collect`, so both
+keep one lane (the speculation cache is what hides the drafter at batch 1).
 
 A sequence without a tree (speculation off, no tree by the deadline, a bad tree) is verified
 with a root-only tree: plain decoding of one token through the same code path. Requests are
@@ -35,6 +37,7 @@ f_i pairs with t_(i+1)); position 0 has none and gets a zero row.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -53,6 +56,7 @@ from proto import CandidateTree, FeatureSpec, SequenceUpdate, TreeBudget, check_
 from target_worker.batch import HiddenCapture
 from target_worker.draft_source import DraftSource
 from target_worker.kv_cache import CacheFullError
+from target_worker.lanes import LaneTuner
 from target_worker.runner import ModelRunner
 from target_worker.scheduler import RoundPlan, plan_round, root_only_tree
 from target_worker.sequence import RequestOutput, RequestParams, Sequence
@@ -117,12 +121,16 @@ class Engine:
         """`draft_source` None = speculation off. `detokenize` is needed for stop strings.
 
         `lanes`: 2 alternates halves of the batch so remote drafting overlaps verification
-        (module docstring); None picks 2 for a source that `overlaps_drafting`, else 1.
+        (module docstring); None = for a source that `overlaps_drafting`, 1 or 2 by measured
+        throughput (`LaneTuner`), else 1.
         """
         if max_prefill_tokens < 1 or max_batch < 1:
             raise ValueError("max_batch and max_prefill_tokens must be >= 1")
+        self.lane_tuner = None
         if lanes is None:
-            lanes = 2 if draft_source is not None and draft_source.overlaps_drafting else 1
+            overlaps = draft_source is not None and draft_source.overlaps_drafting
+            self.lane_tuner = LaneTuner() if overlaps else None
+            lanes = self.lane_tuner.mode if overlaps else 1
         if lanes not in (1, 2):
             raise ValueError(f"lanes must be 1 or 2, got {lanes}")
         self.runner, self.cache, self.drafts = runner, runner.cache, draft_source
@@ -185,7 +193,11 @@ class Engine:
         if not self.running:
             return []
         self.round += 1
-        ready = self._lane_to_verify([s for s in self.running if s.decoding])
+        started = time.perf_counter()
+        if self.lane_tuner is not None:
+            self.lanes = self.lane_tuner.mode
+        decoding = [s for s in self.running if s.decoding]
+        ready = self._lane_to_verify(decoding)
         # 1. Draft: trees for the decoding sequences; missing or bad ones become root-only.
         trees = self.drafts.collect([s.seq_id for s in ready], self.draft_timeout_s) if self.drafts else {}
         trees = self._checked_trees(ready, trees)
@@ -215,6 +227,8 @@ class Engine:
         finished = [s for s in self.running if s.finished]
         self._release(finished)
         self._submit_deltas(finished)
+        if self.lane_tuner is not None and len(decoding) > 1 and not plan.num_prefill_tokens:
+            self.lane_tuner.record(sum(len(o.new_token_ids) for o in outputs), time.perf_counter() - started)
         return outputs
 
     def stream(self) -> Iterator[RequestOutput]:
@@ -276,8 +290,8 @@ class Engine:
             except CacheFullError:
                 return  # wait for running sequences to finish and free their extents
             seq.cache_rows = rows
-            if self.lanes > 1:  # join the lane with fewer sequences
-                sizes = [sum(s.lane == lane for s in self.running) for lane in range(self.lanes)]
+            if self.lanes > 1 or self.lane_tuner is not None:  # join the lane with fewer sequences
+                sizes = [sum(s.lane == lane for s in self.running) for lane in (0, 1)]
                 seq.lane = sizes.index(min(sizes))
             self.running.append(self.waiting.popleft())
 

@@ -141,7 +141,7 @@ def test_every_fork_is_adopted_or_released_exactly_once():
     """Misses, the other outcomes of a hit, outcome probes, resets and forgotten sequences all
     hand their forks to `release_state`, so a proposer whose forks hold memory never leaks."""
     proposer = CountingNgram(parse_speculative_config(CONFIGS["ngram"]), vocab_size=VOCAB)
-    cache = SpecCache(proposer, SpecCacheConfig(max_outcomes=3))
+    cache = SpecCache(proposer, SpecCacheConfig(max_outcomes=3, min_hit_rate=0.0))  # never gated
     gen = torch.Generator().manual_seed(0)
     updates = {s: make_update(s, 0, REPEAT, reset=True) for s in range(3)}
     trees = dict(zip(updates, proposer.propose(list(updates.values())), strict=True))
@@ -241,8 +241,8 @@ def test_greedy_output_with_the_cache_equals_speculation_off(tiny_family, runner
             if method == "draft_model":  # every sequence finished: every draft KV row is free again
                 assert wait_until(lambda p=proposer: p.num_sequences == 0)
                 assert proposer.runner.cache.free_rows == proposer.runner.cache.total_rows
-            results[cache is not None] = server.stats
             counters = source.counters
+            results[cache is not None] = (server.stats, counters.trees_pushed_used)
             if cache is not None and method == "ngram":
                 # Guesses drafted in microseconds reach the target long before its next round:
                 # the engine had those trees without asking. (A slower drafter's guesses may
@@ -252,11 +252,14 @@ def test_greedy_output_with_the_cache_equals_speculation_off(tiny_family, runner
         finally:
             source.close()
             server.stop(1)
-    on, off = results[True], results[False]
+    (on, pushed_used), (off, _) = results[True], results[False]
     assert on.spec_cache_hits > 0, on
     assert on.spec_cache_saved_s > 0 and on.spec_drafting_s > 0
     assert (off.spec_cache_hits, off.spec_cache_misses) == (0, 0)
-    assert on.spec_cache_hits + on.spec_cache_misses <= on.trees_sent == off.trees_sent
+    assert on.spec_cache_hits + on.spec_cache_misses <= off.trees_sent
+    # Rounds the engine answered from a pushed guess got no copy from the worker (a guess the
+    # worker had dropped, after a shared-state change, is drafted and sent as usual).
+    assert on.trees_sent <= off.trees_sent <= on.trees_sent + pushed_used
 
 
 def test_the_server_keeps_hitting_round_after_round_on_a_predictable_sequence():
@@ -372,31 +375,84 @@ def test_a_real_round_interrupts_a_guess_mid_draft(make_proposer):
     assert same_tree(proposer.propose([delta])[0], reference.propose([delta])[0])
 
 
-def test_guesses_that_rarely_come_true_are_drafted_only_now_and_then():
-    """Below min_hit_rate (of the rounds speculated for) one round in probe_every is speculated
-    for, so the rate keeps being measured, and speculation resumes once guesses come true."""
-    proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
-    cache = SpecCache(proposer, SpecCacheConfig(min_hit_rate=0.25, probe_every=4))
+def run_rounds(cache, proposer, rounds: int, right_from: int, in_time: bool = True) -> list[bool]:
+    """Real rounds of one sequence; from round `right_from` the first guess comes true (and the
+    target says it answered from it, if `in_time`). Returns, per round, whether it was guessed."""
     update = make_update(1, 1, REPEAT, reset=True)
     (tree,) = proposer.propose([update])
     scheduled = []
-    for round in range(2, 70):
+    for round in range(2, rounds):
         cache.schedule(update, tree)
         scheduled.append(cache.has_work())
         if cache.has_work():
             cache.run_one()
         guesses = list(cache._entries.get(1, {}))
-        if round >= 45 and guesses:  # from here on the drafter guesses right
+        hit = round >= right_from and bool(guesses)
+        if hit:
             delta = list(guesses[0])
         else:  # a delta no guess assumed, of a token the context repeats (so the tree has nodes)
             delta = [next(t for t in (3, 7, 9, 11, 12) if (t,) not in guesses)]
         update = make_update(1, round, delta)
+        update.answered = hit and in_time
         tree = cache.lookup(update) or proposer.propose([update])[0]
         assert tree.num_nodes > 1
         assert proposer.outcome_rows == (not cache.gated())  # no extra draft step while gated
+    return scheduled
+
+
+def test_guesses_that_come_late_keep_the_gate_closed_and_probes_thin_out():
+    """Hits the target did not answer from (the pushed tree came after it asked) save the
+    drafter's time only, which lanes already hide: the gate stays closed, and the probe
+    rounds thin out (every 2nd, 4th, then 8th round at most)."""
+    proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
+    cache = SpecCache(proposer, SpecCacheConfig(min_hit_rate=0.25, probe_every=2, max_probe_every=8))
+    scheduled = run_rounds(cache, proposer, 80, right_from=2, in_time=False)
+    assert cache.stats.hits > 10 and cache.gated()
+    probes = [i for i, s in enumerate(scheduled) if s][20:]  # the rounds guessed once gated
+    assert [b - a for a, b in zip(probes, probes[1:], strict=False)][:4] == [4, 8, 8, 8]
+
+
+def test_guesses_that_rarely_come_true_are_drafted_only_now_and_then():
+    """Below min_hit_rate (of the rounds speculated for) one round in probe_every is speculated
+    for, so the rate keeps being measured, and speculation resumes once guesses come true."""
+    proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
+    config = SpecCacheConfig(min_hit_rate=0.25, probe_every=4, max_probe_every=4)
+    cache = SpecCache(proposer, config)
+    scheduled = run_rounds(cache, proposer, 70, right_from=45)
     first_gated = scheduled.index(False)
     assert 15 <= first_gated <= 25  # about 20 tried rounds, all missed, before the gate closes
     gated = scheduled[first_gated:44]
     assert sum(gated) in (len(gated) // 4, len(gated) // 4 + 1)  # one probe round in four
     assert cache.stats.gated == scheduled.count(False)
     assert all(scheduled[-10:]) and not cache.gated()  # probes hit from round 45: the gate opened
+
+
+def test_a_round_the_target_answered_from_a_pushed_guess_gets_no_duplicate():
+    from draft_worker.server import DraftBatcher
+    from proto import DraftRequest
+
+    proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
+    limits = Limits(max_batch=8, max_nodes=8, max_depth=4, max_top_k=2)
+    batcher = DraftBatcher(proposer, DraftIdentity("ngram", VOCAB, "fp"), limits, SpecCacheConfig())
+    stream = batcher.open_stream()
+    pattern = [3, 7, 9, 11] * 10
+    try:
+        batcher.submit(stream, DraftRequest([make_update(1, 1, pattern[:12], reset=True)]).to_proto())
+        guesses = {}
+        while len(guesses) < 1 or batcher.spec_cache.has_work():  # the tree, then the guesses
+            message = stream.outbox.get(timeout=10)
+            guesses.update({tuple(p.new_tokens): p for p in message.speculative})
+        delta = list(next(iter(guesses)))
+        answered = make_update(1, 2, delta)
+        answered.answered = True  # the target used the guess
+        batcher.submit(stream, DraftRequest([answered]).to_proto())
+        deadline = time.monotonic() + 10
+        while batcher.stats.spec_cache_hits < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.1)
+        while not stream.outbox.empty():
+            assert not stream.outbox.get().trees  # only guesses for round 3, no copy of round 2's
+        assert batcher.stats.trees_sent == 1
+    finally:
+        batcher.stop()

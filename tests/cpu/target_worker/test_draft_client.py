@@ -215,13 +215,14 @@ class PushingDrafter(ScriptedDrafter):
 
     def __init__(self, handshake, guesses):
         super().__init__(handshake, reply=None)
-        self.guesses = guesses
+        self.guesses, self.answered = guesses, []
 
     def Draft(self, request_iterator, context):
         from proto import outrider_pb2 as pb
 
         for request in request_iterator:
             for update in request.updates:
+                self.answered.append(update.answered)
                 pushed = [
                     pb.SpeculativeTree(new_tokens=delta, tree=tree) for delta, tree in self.guesses(update)
                 ]
@@ -259,7 +260,8 @@ def test_pushed_guesses_are_checked_only_when_their_outcome_comes_true(tiny_fami
         return [*wrong, ([9], pb.CandidateTree(tokens=[9, 1, 2], **cycle))]  # broken, and comes true
 
     request = target_handshake(tiny_family)
-    server, port = start_scripted(PushingDrafter(honest_handshake(request), guesses))
+    drafter = PushingDrafter(honest_handshake(request), guesses)
+    server, port = start_scripted(drafter)
     source = client(tiny_family, [f"127.0.0.1:{port}"], round_deadline_s=5.0)
     budget = TreeBudget(max_nodes=8, max_depth=4, top_k=2)
 
@@ -280,6 +282,7 @@ def test_pushed_guesses_are_checked_only_when_their_outcome_comes_true(tiny_fami
         assert source.counters.trees_pushed_dropped == 1 and source.counters.trees_pushed_used == 1
         assert source.collect([0])[0].tokens.tolist() == [9, 5]  # the worker's own answer
         assert source.counters.trees_invalid == 0
+        assert drafter.answered == [False, True, False]  # the worker is told which guess was used
     finally:
         source.close()
         server.stop(None)

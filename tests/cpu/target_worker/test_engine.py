@@ -199,8 +199,8 @@ def test_two_lanes_take_turns_and_change_nothing(drafter, runner, prompts, plain
     """With a source that drafts elsewhere the batch splits into two lanes verified in turn;
     output is still plain greedy, and no step verifies both lanes while both have work."""
     source = OverlappingSource(proposer_for(drafter, runner.model.vocab_size, tiny_family))
-    engine = Engine(runner, source, eos_token_id=None, max_batch=4, max_prefill_tokens=24)
-    assert engine.lanes == 2
+    engine = Engine(runner, source, eos_token_id=None, max_batch=4, max_prefill_tokens=24, lanes=2)
+    assert engine.lanes == 2 and engine.lane_tuner is None
     out = engine.generate(prompts, RequestParams(max_tokens=MAX_TOKENS))
     assert [c.token_ids for c in out] == plain
     assert engine.stats.spec.num_drafts > 0 and engine.stats.num_invalid_trees == 0
@@ -212,6 +212,44 @@ def test_two_lanes_take_turns_and_change_nothing(drafter, runner, prompts, plain
     assert make_engine(runner, proposer_for("ngram", runner.model.vocab_size)).lanes == 1
     with pytest.raises(ValueError, match="lanes"):
         make_engine(runner, lanes=3)
+
+
+def test_by_default_the_engine_measures_one_lane_against_two(runner, prompts, plain, tiny_family):
+    """A source that drafts elsewhere gets a LaneTuner: it tries both modes while decoding and
+    keeps the faster; output is plain greedy whatever it picks, even when it switches often."""
+    from target_worker.lanes import LaneTuner
+
+    source = OverlappingSource(proposer_for("draft_model", runner.model.vocab_size, tiny_family))
+    engine = Engine(runner, source, eos_token_id=None, max_batch=4, max_prefill_tokens=24)
+    assert engine.lanes == 2 and engine.lane_tuner is not None
+    engine.lane_tuner = LaneTuner(trial_steps=2, exploit_steps=3)  # switch often
+    out = engine.generate(prompts, RequestParams(max_tokens=MAX_TOKENS))
+    assert [c.token_ids for c in out] == plain
+    assert set(engine.lane_tuner.rates) == {1, 2} and engine.lane_tuner.switches >= 2
+    sizes = {len(ids) for ids in source.collected}
+    assert {2, 4} <= sizes  # steps of one lane and steps of the whole batch
+    assert runner.cache.free_rows == runner.cache.total_rows
+
+
+def test_the_lane_tuner_keeps_the_faster_mode_and_checks_the_other_now_and_then():
+    from target_worker.lanes import LaneTuner
+
+    tuner = LaneTuner(trial_steps=2, exploit_steps=5)
+    speed = {1: 300.0, 2: 200.0}  # tokens per second of each mode
+    modes = []
+    for _ in range(30):
+        modes.append(tuner.mode)
+        tuner.record(int(speed[tuner.mode] * 0.01), 0.01)
+    # trial 2, trial 1, then 1 for five steps, 2 for a two-step trial, 1 again ...
+    assert modes[:16] == [2, 2, 1, 1, 1, 1, 1, 1, 1, 2, 2, 1, 1, 1, 1, 1]
+    assert tuner.rates == {1: 300.0, 2: 200.0}
+    speed[2] = 500.0  # conditions change: the next trial of two lanes finds them faster
+    for _ in range(20):
+        modes.append(tuner.mode)
+        tuner.record(int(speed[tuner.mode] * 0.01), 0.01)
+    assert tuner.rates[2] == 500.0 and modes[-20:].count(2) > 2 * modes[-20:].count(1)
+    with pytest.raises(ValueError):
+        LaneTuner(trial_steps=0)
 
 
 def test_lanes_even_out_when_sequences_end_unevenly(runner):

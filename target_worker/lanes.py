@@ -1,0 +1,57 @@
+"""Choosing between one lane and two (`Engine` lanes) by measured throughput.
+
+Two lanes hide the draft workers' time behind the other half's verify, at the price of two
+smaller forwards per round instead of one. Which wins depends on how long drafting takes
+next to verifying, and on how a forward's cost grows with its batch on this hardware:
+
+    draft_model at batch 16 on two CPU cores   drafting ~ a half-batch verify: two lanes win
+    ngram at batch 16                          drafting ~ 0: one lane wins (the round trip is
+                                               cheaper than a second forward)
+
+so the engine measures instead of guessing. `LaneTuner` runs each mode for a short trial,
+then the faster one for a long stretch, then the other again for a trial (conditions
+drift: batch size, context length, a busier draft worker), always keeping each mode's
+latest tokens per second of engine time. Steps that say nothing about the choice (a
+prefill in the batch, fewer than two decoding sequences, where both modes are the same)
+are not counted.
+"""
+
+from __future__ import annotations
+
+
+class LaneTuner:
+    """Which lane count (1 or 2) the next step uses; fed each counted step's tokens and time."""
+
+    def __init__(self, trial_steps: int = 8, exploit_steps: int = 64):
+        if trial_steps < 1 or exploit_steps < 1:
+            raise ValueError("trial_steps and exploit_steps must be >= 1")
+        self.trial_steps, self.exploit_steps = trial_steps, exploit_steps
+        self.mode = 2  # two lanes first: the mode built for a remote drafter
+        self.rates: dict[int, float] = {}  # mode -> tokens/s of its latest finished segment
+        self.switches = 0
+        self._exploiting = False
+        self._steps, self._tokens, self._seconds = 0, 0, 0.0
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """One counted step: `tokens` emitted in `seconds` of engine time."""
+        self._steps, self._tokens, self._seconds = (
+            self._steps + 1,
+            self._tokens + tokens,
+            self._seconds + seconds,
+        )
+        if self._steps < (self.exploit_steps if self._exploiting else self.trial_steps):
+            return
+        self.rates[self.mode] = self._tokens / max(self._seconds, 1e-9)
+        self._steps, self._tokens, self._seconds = 0, 0, 0.0
+        if len(self.rates) < 2:  # the first trial of the other mode
+            self._set(3 - self.mode)
+        elif self._exploiting:  # a long stretch done: check the other mode again
+            self._exploiting = False
+            self._set(3 - self.mode)
+        else:  # a trial done: run the faster mode for a long stretch
+            self._exploiting = True
+            self._set(max(self.rates, key=self.rates.__getitem__))
+
+    def _set(self, mode: int) -> None:
+        self.switches += mode != self.mode
+        self.mode = mode
