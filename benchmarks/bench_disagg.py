@@ -127,10 +127,10 @@ def core_contention() -> dict:
 
 def pin_cores() -> tuple[list[int], list[int]] | None:
     """(the target's CPUs, the draft server's): two disjoint halves of what this process may use,
-    or None with fewer than two. Each process then keeps its own core: unpinned, the target's
-    verify forward measured 15-25% slower next to a draft server than alone (pinned: ~5%),
-    likely because a thread that wakes from waiting on the other process is placed on
-    whichever core is free, where that process's data fills the caches."""
+    or None with fewer than two. Each process then keeps its own core and its caches:
+    unpinned, a thread that wakes from waiting on the other process runs on whichever core is
+    free. Measured here (draft_model, batch 1): the target's verify forward 8-12% slower than
+    co-located unpinned, 4-9% pinned (README, "Disaggregation")."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         return None
