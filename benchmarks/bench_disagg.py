@@ -15,8 +15,10 @@
     hit costs no round trip). The server reports its cache hits, misses and the drafting time
     the hits saved when it stops; `pushed_used` counts rounds a pushed tree answered. A method
     that cannot fork its state gets no cache; its "cache" rows say so instead of a figure.
-    At batch > 1 the disaggregated engine verifies the batch in two lanes that take turns
-    (target_worker.engine), so the server drafts one lane while the target verifies the other.
+    At batch > 1 the disaggregated engine may verify the batch in two lanes that take turns
+    (target_worker.engine), so the server drafts one lane while the target verifies the other;
+    it measures one lane against two as it runs (target_worker.lanes) and keeps the faster:
+    `two_lane_share` is the share of its measured steps that ran two lanes.
 
 Both processes use one torch thread each, so on the 2-core machine they run side by side:
 the real-world point of disaggregation (the drafter has hardware of its own). With `--pin`
@@ -204,7 +206,10 @@ def round_trip(family, handshake, batch: int, iterations: int) -> dict:
         stop_server(process)
 
 
-def throughput(runner, prompts, source, batch: int, max_tokens: int) -> tuple[float, float | None]:
+def throughput(
+    runner, prompts, source, batch: int, max_tokens: int
+) -> tuple[float, float | None, dict[int, int] | None]:
+    """(tokens/s, acceptance length, steps per lane count when the engine chose them)."""
     from proto import TreeBudget
     from target_worker.engine import Engine
     from target_worker.sequence import RequestParams
@@ -219,7 +224,8 @@ def throughput(runner, prompts, source, batch: int, max_tokens: int) -> tuple[fl
     if source is not None and engine.stats.num_rounds:
         spec = engine.stats.spec
         tau = 1 + spec.num_accepted_tokens / max(spec.num_drafts, 1)
-    return tokens / elapsed, tau
+    lanes = dict(engine.lane_tuner.steps) if engine.lane_tuner is not None else None
+    return tokens / elapsed, tau, lanes
 
 
 METHOD_OPTIONS = {
@@ -278,11 +284,14 @@ def compare_at_batch(runner, prompts, method, options, dirs, handshake, batch, a
             "method": method,
             "batch": batch,
             "mode": mode,
-            "tokens_per_s": statistics.median(t for t, _ in samples[mode]),
+            "tokens_per_s": statistics.median(t for t, _, _ in samples[mode]),
             "speedup_vs_plain": statistics.median(speedups[mode]),
             "acceptance_length": samples[mode][0][1],
         }
         if mode.startswith("disaggregated"):
+            steps = [lanes for _, _, lanes in samples[mode] if lanes and sum(lanes.values())]
+            if steps:
+                row["two_lane_share"] = sum(s[2] for s in steps) / sum(sum(s.values()) for s in steps)
             server = stats[cache]
             lookups = server.get("spec_cache_hits", 0) + server.get("spec_cache_misses", 0)
             row["cache_on"] = server.get("cache_on")
@@ -309,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=4,
         help="verify outcomes pre-drafted per round (cache rows)",
+    )
+    parser.add_argument(
+        "--results-dir", type=Path, default=None, help="where the reports go (default: benchmarks/results)"
     )
     parser.add_argument(
         "--pin",
@@ -366,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         + "co-located = the proposer in the engine's process, drafting on the critical path; "
         "disaggregated = a draft server process over loopback gRPC (at batch > 1 the engine verifies "
-        "in two lanes that take turns), without and with the speculation "
+        "in one lane or two that take turns, whichever it measures faster: `two_lane_share` = the "
+        "share of its measured steps that ran two lanes), without and with the speculation "
         "cache (`cache_hit_rate` = hits / lookups on the server; `cache_saved_ms` = drafting time "
         "the hits did not spend; `pushed_used` = rounds a pushed tree answered). `core_contention`: "
         "an 8 MB matmul (the target's LM head) alone and in both processes at once; a slowdown "
@@ -381,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         title="Disaggregated drafting",
         notes=notes,
         columns=list(dict.fromkeys(key for row in rows for key in row)),
+        **({"results_dir": args.results_dir} if args.results_dir else {}),
     )
     print(json.dumps(rows, indent=1))
     print(f"wrote {json_path}")

@@ -29,16 +29,16 @@ class LaneTuner:
         self.mode = 2  # two lanes first: the mode built for a remote drafter
         self.rates: dict[int, float] = {}  # mode -> tokens/s of its latest finished segment
         self.switches = 0
+        self.steps = {1: 0, 2: 0}  # counted steps run in each mode
         self._exploiting = False
         self._steps, self._tokens, self._seconds = 0, 0, 0.0
 
     def record(self, tokens: int, seconds: float) -> None:
         """One counted step: `tokens` emitted in `seconds` of engine time."""
-        self._steps, self._tokens, self._seconds = (
-            self._steps + 1,
-            self._tokens + tokens,
-            self._seconds + seconds,
-        )
+        self.steps[self.mode] += 1
+        self._steps += 1
+        self._tokens += tokens
+        self._seconds += seconds
         if self._steps < (self.exploit_steps if self._exploiting else self.trial_steps):
             return
         self.rates[self.mode] = self._tokens / max(self._seconds, 1e-9)
