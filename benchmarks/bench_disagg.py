@@ -25,7 +25,8 @@ the real-world point of disaggregation (the drafter has hardware of its own). Wi
 (the default) they are pinned to disjoint cores, as a deployment would give a draft worker
 its own device (`pin_cores` says what unpinned costs here).
 Each batch size runs plain, co-located and both disaggregated variants once unmeasured
-(warm-up), then back to back `--repeats` times in rotating order; medians are reported,
+(warm-up; each mode's lane tuner carries over to its measured runs, as in a long-running
+server), then back to back `--repeats` times in rotating order; medians are reported,
 speedups are ratios to plain within the same repeat.
 """
 
@@ -207,14 +208,21 @@ def round_trip(family, handshake, batch: int, iterations: int) -> dict:
 
 
 def throughput(
-    runner, prompts, source, batch: int, max_tokens: int
+    runner, prompts, source, batch: int, max_tokens: int, tuner=None
 ) -> tuple[float, float | None, dict[int, int] | None]:
-    """(tokens/s, acceptance length, steps per lane count when the engine chose them)."""
+    """(tokens/s, acceptance length, steps per lane count when the engine chose them).
+
+    `tuner`: the LaneTuner to use instead of a fresh one, so it keeps what it measured across
+    the runs of one mode, as in a long-running server (a fresh one spends its first 16
+    counted steps trying both modes, a large share of a short run)."""
     from proto import TreeBudget
     from target_worker.engine import Engine
     from target_worker.sequence import RequestParams
 
     engine = Engine(runner, source, eos_token_id=None, max_batch=batch, tree_budget=TreeBudget(16, 6, 4))
+    if engine.lane_tuner is not None and tuner is not None:
+        engine.lane_tuner = tuner
+    before = dict(engine.lane_tuner.steps) if engine.lane_tuner is not None else None
     params = RequestParams(max_tokens=max_tokens, ignore_eos=True)
     started = time.perf_counter()
     completions = engine.generate(prompts, params)
@@ -224,7 +232,9 @@ def throughput(
     if source is not None and engine.stats.num_rounds:
         spec = engine.stats.spec
         tau = 1 + spec.num_accepted_tokens / max(spec.num_drafts, 1)
-    lanes = dict(engine.lane_tuner.steps) if engine.lane_tuner is not None else None
+    lanes = None
+    if engine.lane_tuner is not None:
+        lanes = {mode: count - before[mode] for mode, count in engine.lane_tuner.steps.items()}
     return tokens / elapsed, tau, lanes
 
 
@@ -240,6 +250,7 @@ def compare_at_batch(runner, prompts, method, options, dirs, handshake, batch, a
     from draft_worker.server_cli import build_server_proposer
     from target_worker.draft_client import DraftClientConfig, RemoteDraftSource
     from target_worker.draft_source import InProcessDraftSource
+    from target_worker.lanes import LaneTuner
 
     servers, remotes = {}, {}
     for cache in (False, True):
@@ -260,14 +271,15 @@ def compare_at_batch(runner, prompts, method, options, dirs, handshake, batch, a
     samples: dict[str, list[tuple[float, float | None]]] = {mode: [] for mode in sources}
     speedups: dict[str, list[float]] = {mode: [] for mode in sources}
     order = list(sources)
+    tuners = {mode: LaneTuner() for mode in sources}  # one per mode, kept across its runs
     try:
-        for source in sources.values():  # warm-up, not measured: first forwards, a server's first rounds
-            throughput(runner, prompts, source, batch, min(args.max_tokens, 32))
+        for mode, source in sources.items():  # warm-up, unmeasured: first forwards, a server's first rounds
+            throughput(runner, prompts, source, batch, args.max_tokens, tuners[mode])
         for repeat in range(args.repeats):
             shift = repeat % len(order)
             this = {}
             for mode in order[shift:] + order[:shift]:
-                this[mode] = throughput(runner, prompts, sources[mode], batch, args.max_tokens)
+                this[mode] = throughput(runner, prompts, sources[mode], batch, args.max_tokens, tuners[mode])
                 samples[mode].append(this[mode])
             for mode in sources:
                 speedups[mode].append(this[mode][0] / this["plain"][0])
@@ -370,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = (
         f"Demo family `{args.size}`, greedy, `mid` prompts of {args.prompt_tokens} tokens, {args.max_tokens} new "
         f"tokens each, {args.repeats} repeats in rotating order (medians) after one unmeasured warm-up "
-        "run per mode. One torch thread per process"
+        "run per mode; each disaggregated mode keeps its engine's lane tuner across its runs, as a "
+        "long-running server does. One torch thread per process"
         + (
             f"; the target process is pinned to CPUs {PINNED[0]} and the draft server to {PINNED[1]}. "
             if PINNED

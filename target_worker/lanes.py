@@ -11,7 +11,9 @@ next to verifying, and on how a forward's cost grows with its batch on this hard
 so the engine measures instead of guessing. `LaneTuner` runs each mode for a short trial,
 then the faster one for a long stretch, then the other again for a trial (conditions
 drift: batch size, context length, a busier draft worker), always keeping each mode's
-latest tokens per second of engine time. Steps that say nothing about the choice (a
+latest tokens per second of engine time. Each trial that confirms the faster mode doubles
+the stretch before the next one (up to `max_exploit_steps`), so a stable answer costs ever
+fewer steps in the slower mode; a trial that overturns it starts again from `exploit_steps`. Steps that say nothing about the choice (a
 prefill in the batch, fewer than two decoding sequences, where both modes are the same)
 are not counted.
 """
@@ -22,10 +24,12 @@ from __future__ import annotations
 class LaneTuner:
     """Which lane count (1 or 2) the next step uses; fed each counted step's tokens and time."""
 
-    def __init__(self, trial_steps: int = 8, exploit_steps: int = 64):
-        if trial_steps < 1 or exploit_steps < 1:
-            raise ValueError("trial_steps and exploit_steps must be >= 1")
+    def __init__(self, trial_steps: int = 8, exploit_steps: int = 64, max_exploit_steps: int = 1024):
+        if trial_steps < 1 or exploit_steps < 1 or max_exploit_steps < exploit_steps:
+            raise ValueError("need trial_steps >= 1 and 1 <= exploit_steps <= max_exploit_steps")
         self.trial_steps, self.exploit_steps = trial_steps, exploit_steps
+        self.max_exploit_steps = max_exploit_steps
+        self._stretch = exploit_steps  # the next long stretch
         self.mode = 2  # two lanes first: the mode built for a remote drafter
         self.rates: dict[int, float] = {}  # mode -> tokens/s of its latest finished segment
         self.switches = 0
@@ -39,7 +43,7 @@ class LaneTuner:
         self._steps += 1
         self._tokens += tokens
         self._seconds += seconds
-        if self._steps < (self.exploit_steps if self._exploiting else self.trial_steps):
+        if self._steps < (self._stretch if self._exploiting else self.trial_steps):
             return
         self.rates[self.mode] = self._tokens / max(self._seconds, 1e-9)
         self._steps, self._tokens, self._seconds = 0, 0, 0.0
@@ -50,7 +54,12 @@ class LaneTuner:
             self._set(3 - self.mode)
         else:  # a trial done: run the faster mode for a long stretch
             self._exploiting = True
-            self._set(max(self.rates, key=self.rates.__getitem__))
+            best = max(self.rates, key=self.rates.__getitem__)
+            if best == 3 - self.mode and self.switches > 1:  # the trial confirmed it: check later
+                self._stretch = min(2 * self._stretch, self.max_exploit_steps)
+            else:
+                self._stretch = self.exploit_steps
+            self._set(best)
 
     def _set(self, mode: int) -> None:
         self.switches += mode != self.mode

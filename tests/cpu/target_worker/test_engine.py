@@ -232,22 +232,29 @@ def test_by_default_the_engine_measures_one_lane_against_two(runner, prompts, pl
 
 
 def test_the_lane_tuner_keeps_the_faster_mode_and_checks_the_other_now_and_then():
+    """Trials of both modes, then the faster one for stretches that double while trials of
+    the other confirm it; a trial that finds the other faster switches and starts over."""
+    import itertools
+
     from target_worker.lanes import LaneTuner
 
-    tuner = LaneTuner(trial_steps=2, exploit_steps=5)
+    tuner = LaneTuner(trial_steps=2, exploit_steps=5, max_exploit_steps=20)
     speed = {1: 300.0, 2: 200.0}  # tokens per second of each mode
-    modes = []
-    for _ in range(30):
-        modes.append(tuner.mode)
-        tuner.record(int(speed[tuner.mode] * 0.01), 0.01)
-    # trial 2, trial 1, then 1 for five steps, 2 for a two-step trial, 1 again ...
-    assert modes[:16] == [2, 2, 1, 1, 1, 1, 1, 1, 1, 2, 2, 1, 1, 1, 1, 1]
-    assert tuner.rates == {1: 300.0, 2: 200.0}
+
+    def run(steps: int) -> list[tuple[int, int]]:
+        modes = []
+        for _ in range(steps):
+            modes.append(tuner.mode)
+            tuner.record(int(speed[tuner.mode] * 0.01), 0.01)
+        return [(mode, len(list(group))) for mode, group in itertools.groupby(modes)]
+
+    runs = run(73)
+    # trial 2, trial 1, then 1 for 5, 10, 20, 20 steps with two-step trials of 2 between
+    assert runs == [(2, 2), (1, 2 + 5), (2, 2), (1, 10), (2, 2), (1, 20), (2, 2), (1, 20), (2, 2), (1, 6)]
+    assert tuner.rates == pytest.approx({1: 300.0, 2: 200.0}) and tuner.steps == {1: 63, 2: 10}
     speed[2] = 500.0  # conditions change: the next trial of two lanes finds them faster
-    for _ in range(20):
-        modes.append(tuner.mode)
-        tuner.record(int(speed[tuner.mode] * 0.01), 0.01)
-    assert tuner.rates[2] == 500.0 and modes[-20:].count(2) > 2 * modes[-20:].count(1)
+    runs = run(30)
+    assert runs[:3] == [(1, 14), (2, 2 + 5), (1, 2)] and tuner.rates[2] == pytest.approx(500.0)
     with pytest.raises(ValueError):
         LaneTuner(trial_steps=0)
 
