@@ -246,7 +246,7 @@ class DraftBatcher:
         left = window - (time.perf_counter() - self._idle_since)
         # Rounded up: a guess still drafting when the real round comes is interrupted at its
         # next draft step (Proposer.interrupted), which costs less than the hits a cautious
-        # cut gives up (draft_model at batch 1: 1.0-1.07x co-located this way, 0.89-0.93x
+        # cut gives up (draft_model at batch 1: 1.0-1.07x co-located this way, 0.88-0.93x
         # when only outcomes that fit 75% of the window were started).
         return min(most, math.ceil(left / cost)) if cost > 0 else most
 
