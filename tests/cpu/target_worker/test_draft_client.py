@@ -244,6 +244,13 @@ def two_nodes(seq_id: int, round: int, root: int, child: int):
     )
 
 
+def wait_for_guesses(source, count: int, seq_id: int = 0) -> None:
+    deadline = time.monotonic() + 10
+    while len(source._seqs[seq_id].pushed) < count:
+        assert time.monotonic() < deadline, "the pushed guesses never arrived"
+        time.sleep(0.01)
+
+
 def test_pushed_guesses_are_checked_only_when_their_outcome_comes_true(tiny_family):
     """The receive thread keeps pushed trees as they came (its Python work would stall the
     engine's verify): thirty broken guesses that never come true cost nothing and are never
@@ -272,12 +279,12 @@ def test_pushed_guesses_are_checked_only_when_their_outcome_comes_true(tiny_fami
         assert source.wait_ready(10)
         source.submit([update(1, [1, 2, 3])])
         assert source.collect([0])[0].tokens.tolist() == [3, 5]
-        time.sleep(0.2)  # the guesses for round 2 are in
+        wait_for_guesses(source, 31)  # the guesses for round 2 are in
         assert source.counters.trees_pushed_dropped == 0  # none was decoded
         source.submit([update(2, [7, 8])])
         assert source.counters.trees_pushed_used == 1  # answered at submit, before any reply
         assert source.collect([0], 0.0)[0].tokens.tolist() == [8, 6]
-        time.sleep(0.2)
+        wait_for_guesses(source, 31)  # ... and those for round 3
         source.submit([update(3, [9])])
         assert source.counters.trees_pushed_dropped == 1 and source.counters.trees_pushed_used == 1
         assert source.collect([0])[0].tokens.tolist() == [9, 5]  # the worker's own answer
