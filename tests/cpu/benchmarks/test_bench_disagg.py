@@ -5,8 +5,20 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
 
-def test_bench_disagg_runs_every_mode_and_reports_it(tiny_family, tmp_path):
+
+@pytest.fixture
+def keep_torch_threads():
+    """main() sets one torch thread for the whole process; later tests (a demo family rebuilt
+    byte for byte) must run with the thread count the session started with."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bench_disagg_runs_every_mode_and_reports_it(tiny_family, tmp_path, keep_torch_threads):
     from benchmarks import bench_disagg
 
     argv = ["--size", "tiny", "--max-tokens", "8", "--repeats", "1", "--batches", "1,2"]
