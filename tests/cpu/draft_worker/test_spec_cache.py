@@ -456,3 +456,21 @@ def test_a_round_the_target_answered_from_a_pushed_guess_gets_no_duplicate():
         assert batcher.stats.trees_sent == 1
     finally:
         batcher.stop()
+
+
+def test_acceptance_is_also_counted_per_sequence():
+    """One sequence the drafter always gets right and one it never does: each ranks its own
+    outcomes by its own rates (pulled toward the global rate while its counts are few)."""
+    from draft_worker.spec_cache import AcceptanceModel
+
+    proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
+    (tree,) = proposer.propose([make_update(1, 1, REPEAT, reset=True)])  # chain 11 3 7 9
+    model = AcceptanceModel()
+    for _ in range(20):
+        model.observe(tree, [11, 3, 7, 9, 4], seq_id=1)  # everything accepted
+        model.observe(tree, [8], seq_id=2)  # rejected at depth 1
+    overall = model.rate(1)
+    assert model.rate(1, seq_id=1) > 0.9 > overall > 0.4 > 0.1 > model.rate(1, seq_id=2)
+    assert model.rate(1, seq_id=3) == overall  # a sequence never seen: the global rate
+    model.forget(1)
+    assert model.rate(1, seq_id=1) == overall
