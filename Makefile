@@ -18,9 +18,6 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[test]"
-	# proto-plus (ray[serve] -> opencensus -> google-api-core) installs a top-level `proto`
-	# package that shadows ours; nothing Ray Serve runs imports it.
-	$(PY) -m pip uninstall --quiet --yes proto-plus || true
 	$(VENV)/bin/outrider check-install
 	touch $@
 
@@ -29,8 +26,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: install
 	$(VENV)/bin/outrider serve --demo $(SIZE) --port $(PORT)
 
+# The pytest script, not `python -m pytest`: the repository root stays off sys.path, so the
+# suite imports Outrider as users do, through the installed `outrider` namespace.
 test: install
-	$(PY) -m pytest tests/cpu -q
+	$(VENV)/bin/pytest tests/cpu -q
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.report import RESULTS_DIR
+from outrider.benchmarks.report import RESULTS_DIR
 
 PRIMARY_SET = "mid"
 # --quick and full-run defaults; any option given on the command line wins.
@@ -163,8 +163,8 @@ def resolve_models(args: argparse.Namespace, methods: list[str], log=print) -> M
         models.serve_model = {"model": str(target), "tokenizer": str(models.tokenizer_dir)}
         models.serve_name = target.resolve().name
     else:
-        from cluster.demo.family import ensure_demo_family
-        from cluster.demo.heads import demo_head_dir, head_dir, verify_head
+        from outrider.demo.family import ensure_demo_family
+        from outrider.demo.heads import demo_head_dir, head_dir, verify_head
 
         family = ensure_demo_family(args.size, progress=False, log=log)
         models = Models(
@@ -174,7 +174,7 @@ def resolve_models(args: argparse.Namespace, methods: list[str], log=print) -> M
             family.draft_dir,
         )
         models.serve_model, models.serve_name = {"demo": args.size}, f"outrider-demo-{args.size}"
-    from cluster.demo.heads import head_methods
+    from outrider.demo.heads import head_methods
 
     trained = set(head_methods())  # methods whose drafter is a trained head
     for method in methods:
@@ -207,8 +207,8 @@ def resolve_models(args: argparse.Namespace, methods: list[str], log=print) -> M
 
 def method_table(models: Models, methods: list[str]) -> dict[str, dict | None]:
     """Label -> speculative config (None = plain) for every method that has what it needs."""
-    from benchmarks.bench_drafting import method_configs
-    from benchmarks.bench_medusa import medusa_configs
+    from outrider.benchmarks.bench_drafting import method_configs
+    from outrider.benchmarks.bench_medusa import medusa_configs
 
     heads = {m: str(f) for m, f in models.heads.items()}
     table = method_configs(str(models.draft_dir), heads)
@@ -259,13 +259,13 @@ class KeepTokens:
 
 
 def cli_main(args: argparse.Namespace) -> int:
-    """The `outrider bench` subcommand (and `python -m benchmarks.bench`)."""
+    """The `outrider bench` subcommand (and `python -m outrider.benchmarks.bench`)."""
     if args.schema:
-        from benchmarks.bench_schema import SCHEMA
+        from outrider.benchmarks.bench_schema import SCHEMA
 
         print(json.dumps(SCHEMA, indent=2))
         return 0
-    from benchmarks.bench_sweep import run_bench
+    from outrider.benchmarks.bench_sweep import run_bench
 
     def log(message: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
@@ -273,7 +273,7 @@ def cli_main(args: argparse.Namespace) -> int:
     resolve_defaults(args)
     json_path = Path(args.json) if args.json else RESULTS_DIR / f"bench_{args.size}.json"
     report = run_bench(args, log=log)
-    from benchmarks.bench_render import write_outputs
+    from outrider.benchmarks.bench_render import write_outputs
 
     for path in write_outputs(report, json_path):
         log(f"wrote {path}")
@@ -290,7 +290,9 @@ def _fmt(value: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m outrider.benchmarks.bench", description=__doc__.splitlines()[0]
+    )
     add_bench_arguments(parser)
     return cli_main(parser.parse_args(argv))
 

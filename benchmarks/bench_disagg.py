@@ -1,7 +1,7 @@
 """Disaggregated drafting: what the gRPC hop costs, and tokens/s remote vs. in-process.
 
-    python -m benchmarks.bench_disagg --size small      # the issue's setting (builds the family once)
-    python -m benchmarks.bench_disagg --size tiny --max-tokens 32   # a quick look
+    python -m outrider.benchmarks.bench_disagg --size small      # the issue's setting (builds the family once)
+    python -m outrider.benchmarks.bench_disagg --size tiny --max-tokens 32   # a quick look
 
 (a) Loopback round trip: a draft server in its own process answers every update with a fixed
     64-node tree with sparse q (top-8 rows), so the figure is transport + validation only;
@@ -53,13 +53,13 @@ if args.get("cpus"):  # before any thread exists: every thread the server starts
     os.sched_setaffinity(0, args["cpus"])
 import torch
 torch.set_num_threads(1)
-from draft_worker.server import DraftIdentity, serve
-from draft_worker.server_cli import build_server_proposer
-from target_worker.draft_client import tokenizer_fingerprint
+from outrider.draft_worker.server import DraftIdentity, serve
+from outrider.draft_worker.server_cli import build_server_proposer
+from outrider.target_worker.draft_client import tokenizer_fingerprint
 from pathlib import Path
 if args["method"] == "echo":
-    from draft_worker import build_proposer
-    from proto import CandidateTree
+    from outrider.draft_worker import build_proposer
+    from outrider.proto import CandidateTree
     proposer = build_proposer({"method": "ngram", "num_speculative_tokens": 8, "tree_top_k": 8,
                                "tree_max_nodes": 64}, vocab_size=args["vocab_size"])
     shapes = [CandidateTree.make_dummy(64, vocab_size=args["vocab_size"], top_k=8, max_depth=8, seed=s)
@@ -79,7 +79,7 @@ else:
     proposer = build_server_proposer(args["method"], args["options"], Path(args["draft_dir"]),
                                      Path(args["tokenizer_dir"]))
 identity = DraftIdentity(args["method"], proposer.vocab_size, tokenizer_fingerprint(args["tokenizer_dir"]))
-from draft_worker.spec_cache import SpecCacheConfig
+from outrider.draft_worker.spec_cache import SpecCacheConfig
 server = serve(proposer, identity, address="127.0.0.1:0",
                speculation_cache=SpecCacheConfig(args.get("outcomes", 4)) if args.get("cache") else None)
 print(server.port, flush=True)
@@ -168,8 +168,8 @@ def stop_server(process: subprocess.Popen) -> dict:
 
 
 def round_trip(family, handshake, batch: int, iterations: int) -> dict:
-    from proto import SamplingParams, SequenceUpdate, TreeBudget
-    from target_worker.draft_client import DraftClientConfig, RemoteDraftSource
+    from outrider.proto import SamplingParams, SequenceUpdate, TreeBudget
+    from outrider.target_worker.draft_client import DraftClientConfig, RemoteDraftSource
 
     process, port = start_server(
         {"method": "echo", "vocab_size": handshake.vocab_size, "tokenizer_dir": str(family.tokenizer_dir)}
@@ -215,9 +215,9 @@ def throughput(
     `tuner`: the LaneTuner to use instead of a fresh one, so it keeps what it measured across
     the runs of one mode, as in a long-running server (a fresh one spends its first 16
     counted steps trying both modes, a large share of a short run)."""
-    from proto import TreeBudget
-    from target_worker.engine import Engine
-    from target_worker.sequence import RequestParams
+    from outrider.proto import TreeBudget
+    from outrider.target_worker.engine import Engine
+    from outrider.target_worker.sequence import RequestParams
 
     engine = Engine(runner, source, eos_token_id=None, max_batch=batch, tree_budget=TreeBudget(16, 6, 4))
     if engine.lane_tuner is not None and tuner is not None:
@@ -247,10 +247,10 @@ METHOD_OPTIONS = {
 
 def compare_at_batch(runner, prompts, method, options, dirs, handshake, batch, args) -> list[dict]:
     """plain / co-located / disaggregated (cache off, on) at one batch size, `args.repeats` times."""
-    from draft_worker.server_cli import build_server_proposer
-    from target_worker.draft_client import DraftClientConfig, RemoteDraftSource
-    from target_worker.draft_source import InProcessDraftSource
-    from target_worker.lanes import LaneTuner
+    from outrider.draft_worker.server_cli import build_server_proposer
+    from outrider.target_worker.draft_client import DraftClientConfig, RemoteDraftSource
+    from outrider.target_worker.draft_source import InProcessDraftSource
+    from outrider.target_worker.lanes import LaneTuner
 
     servers, remotes = {}, {}
     for cache in (False, True):
@@ -349,12 +349,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from benchmarks.prompts import load_prompts
-    from benchmarks.report import write_report
-    from cluster.demo.family import ensure_demo_family
-    from proto import Limits
-    from target_worker.draft_client import target_handshake
-    from target_worker.runner import ModelRunner
+    from outrider.benchmarks.prompts import load_prompts
+    from outrider.benchmarks.report import write_report
+    from outrider.demo.family import ensure_demo_family
+    from outrider.proto import Limits
+    from outrider.target_worker.draft_client import target_handshake
+    from outrider.target_worker.runner import ModelRunner
 
     family = ensure_demo_family(args.size)
     handshake = target_handshake(

@@ -1,7 +1,7 @@
 """Drafting methods through the step engine: acceptance, drafter cost and speedup over plain.
 
-    python -m benchmarks.bench_drafting --size small          # the issue's setting
-    python -m benchmarks.bench_drafting --size tiny --prompts 2 --repeats 1   # a quick look
+    python -m outrider.benchmarks.bench_drafting --size small          # the issue's setting
+    python -m outrider.benchmarks.bench_drafting --size tiny --prompts 2 --repeats 1   # a quick look
 
 Batch 1, held-out prompts (`mid`, the primary set, and `start`), 128 new tokens, T = 0 and
 T = 1 (seeded, the same seed for every method), EOS ignored. For each prompt every method
@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import SpecDecodeCounters
-from proto import CandidateTree, FeatureSpec, SequenceUpdate
+from outrider.kernels import SpecDecodeCounters
+from outrider.proto import CandidateTree, FeatureSpec, SequenceUpdate
 
 
 def method_configs(draft_dir: str, heads: dict[str, str] | None = None) -> dict[str, dict | None]:
     """Method name (registry name first) -> speculative config; None = plain decoding.
 
-    `heads`: the demo family's trained heads by method (`cluster.demo.heads`), benchmarked too.
+    `heads`: the demo family's trained heads by method (`demo.heads`), benchmarked too.
     """
     model = {"method": "draft_model", "model": draft_dir}
     learned = {}
@@ -125,7 +125,7 @@ def tau(counters: SpecDecodeCounters) -> float | None:
 
 
 def generate_one(engine, source: TimedProposer | None, prompt: list[int], params) -> Run:
-    from target_worker.engine import EngineStats
+    from outrider.target_worker.engine import EngineStats
 
     engine.stats = EngineStats()
     if source is not None:
@@ -147,7 +147,7 @@ def generate_one(engine, source: TimedProposer | None, prompt: list[int], params
 
 
 def row_for(method: str, prompt_set: str, temperature: float, cell: Cell, plain: Cell) -> dict:
-    from benchmarks.report import DecodeRow
+    from outrider.benchmarks.report import DecodeRow
 
     runs = cell.runs
     counters = merged(runs)
@@ -204,15 +204,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    import draft_worker.draft_model  # noqa: F401 - registers `draft_model`
-    from benchmarks.prompts import load_prompts
-    from benchmarks.report import write_report
-    from cluster.demo.family import ensure_demo_family
-    from draft_worker import build_proposer
-    from target_worker.draft_source import InProcessDraftSource
-    from target_worker.engine import Engine
-    from target_worker.runner import ModelRunner
-    from target_worker.sequence import RequestParams
+    import outrider.draft_worker.draft_model  # noqa: F401 - registers `draft_model`
+    from outrider.benchmarks.prompts import load_prompts
+    from outrider.benchmarks.report import write_report
+    from outrider.demo.family import ensure_demo_family
+    from outrider.draft_worker import build_proposer
+    from outrider.target_worker.draft_source import InProcessDraftSource
+    from outrider.target_worker.engine import Engine
+    from outrider.target_worker.runner import ModelRunner
+    from outrider.target_worker.sequence import RequestParams
 
     family = ensure_demo_family(args.size)
     tokenizer = AutoTokenizer.from_pretrained(family.tokenizer_dir)
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner.from_pretrained(family.target_dir, max_model_len=context, kv_cache_rows=context + 64)
     vocab = runner.model.vocab_size
     engines: dict[str, tuple[Engine, TimedProposer | None]] = {}
-    from cluster.demo.heads import demo_head_dir, head_methods
+    from outrider.demo.heads import demo_head_dir, head_methods
 
     heads = {m: str(demo_head_dir(family, m)) for m in ("eagle3", "peagle") if m in head_methods()}
     configs = method_configs(str(family.draft_dir), heads)

@@ -1,12 +1,12 @@
 """Medusa heads through the step engine, next to plain decoding, on a demo family.
 
-    python -m benchmarks.bench_medusa --size small                 # the issue's setting
-    python -m benchmarks.bench_medusa --size tiny --prompts 2 --repeats 1
+    python -m outrider.benchmarks.bench_medusa --size small                 # the issue's setting
+    python -m outrider.benchmarks.bench_medusa --size tiny --prompts 2 --repeats 1
 
 The sweep, its figures (tau, tokens/s and speedups against plain in the same run, per-position
 acceptance, drafter ms per round, looping share, tau on non-looping outputs) and the report
 format are bench_drafting's: this script trains (or loads) the family's Medusa heads through
-`cluster.demo.heads` and runs bench_drafting's `main` with a method table of Medusa shapes
+`demo.heads` and runs bench_drafting's `main` with a method table of Medusa shapes
 instead of its own. Every other option is bench_drafting's and is passed through.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks import bench_drafting
+from outrider.benchmarks import bench_drafting
 
 
 def medusa_configs(heads_dir: str) -> dict[str, dict | None]:
@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default=None, help="a Medusa heads folder (default: the demo family's)")
     args, rest = parser.parse_known_args(argv)
 
-    from cluster.demo.family import ensure_demo_family
-    from cluster.demo.heads import demo_head_dir
+    from outrider.demo.family import ensure_demo_family
+    from outrider.demo.heads import demo_head_dir
 
     heads = args.heads or str(demo_head_dir(ensure_demo_family(args.size), "medusa"))
     # bench_drafting builds its engines from `method_configs(...)`: here, Medusa shapes only.

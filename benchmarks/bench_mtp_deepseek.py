@@ -1,6 +1,6 @@
 """MTP drafting on a DeepSeek-V3-architecture model trained here, with its MTP layer jointly.
 
-    .venv/bin/python -m benchmarks.bench_mtp_deepseek --minutes 4
+    .venv/bin/python -m outrider.benchmarks.bench_mtp_deepseek --minutes 4
 
 1. Train a small DeepseekV3ForCausalLM (transformers' own module: MLA, grouped-top-k MoE
    with a shared expert, a dense first layer, YaRN) on the demo corpus' training files with
@@ -72,8 +72,8 @@ def model_config(vocab_size: int, eos: int, context: int) -> dict:
 def corpus_stream(tokenizer_dir: Path, fraction: float):
     from tokenizers import Tokenizer
 
-    from cluster.demo.corpus import every_kth, load_corpus
-    from cluster.demo.tokenizer import encode_files
+    from outrider.demo.corpus import every_kth, load_corpus
+    from outrider.demo.tokenizer import encode_files
 
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     train, held_out = load_corpus()
@@ -91,8 +91,8 @@ def windows(stream: torch.Tensor, count: int, length: int, generator: torch.Gene
 def train(cfg: dict, stream, held_out, args) -> tuple:
     import transformers
 
-    from draft_worker.training.common import adamw, cosine_lr
-    from draft_worker.training.mtp import MTPHead, mtp_loss
+    from outrider.draft_worker.training.common import adamw, cosine_lr
+    from outrider.draft_worker.training.mtp import MTPHead, mtp_loss
 
     torch.manual_seed(args.seed)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**cfg)).float()
@@ -180,12 +180,12 @@ def repeated_4gram_share(tokens: list[int]) -> float:
 def evaluate(checkpoint: Path, tokenizer_dir: Path, args) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from benchmarks.prompts import load_prompts
-    from draft_worker import build_proposer
-    from target_worker.draft_source import InProcessDraftSource
-    from target_worker.engine import Engine
-    from target_worker.runner import ModelRunner
-    from target_worker.sequence import RequestParams
+    from outrider.benchmarks.prompts import load_prompts
+    from outrider.draft_worker import build_proposer
+    from outrider.target_worker.draft_source import InProcessDraftSource
+    from outrider.target_worker.engine import Engine
+    from outrider.target_worker.runner import ModelRunner
+    from outrider.target_worker.sequence import RequestParams
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     prompts = [
@@ -263,8 +263,8 @@ def main() -> None:
 
     import tempfile
 
-    from benchmarks.report import write_report
-    from cluster.demo.family import ensure_demo_family
+    from outrider.benchmarks.report import write_report
+    from outrider.demo.family import ensure_demo_family
 
     family = ensure_demo_family(args.size, progress=False, log=lambda _: None)
     tokenizer_dir = family.tokenizer_dir

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.report import _cell, markdown_table
+from outrider.benchmarks.report import _cell, markdown_table
 
 METHOD_COLUMNS = [
     "method",
@@ -64,7 +64,7 @@ SERVING_COLUMNS = [
 
 
 def write_outputs(report: dict, json_path: Path) -> list[Path]:
-    from benchmarks.bench_schema import validate
+    from outrider.benchmarks.bench_schema import validate
 
     validate(report)
     json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -116,7 +116,7 @@ def bench_serving(
     import ray
     from ray import serve
 
-    from cluster.app import build_app
+    from outrider.cluster.app import build_app
 
     ray.init(
         num_cpus=2,

@@ -21,8 +21,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench import PRIMARY_SET, KeepTokens, Models, method_table, resolve_models
-from benchmarks.bench_drafting import Cell, Run, TimedProposer, generate_one, repeated_4gram_share, row_for
+from outrider.benchmarks.bench import PRIMARY_SET, KeepTokens, Models, method_table, resolve_models
+from outrider.benchmarks.bench_drafting import (
+    Cell,
+    Run,
+    TimedProposer,
+    generate_one,
+    repeated_4gram_share,
+    row_for,
+)
 
 Generate = Callable[[list[int], object], tuple[Run, list[int]]]
 
@@ -31,9 +38,9 @@ def engine_runs(
     runner, table: dict[str, dict | None], vocab: int, skipped: list[dict]
 ) -> dict[str, Generate]:
     """One Engine per config on the shared runner; a config that fails to build is skipped, with why."""
-    from draft_worker import build_proposer
-    from target_worker.draft_source import InProcessDraftSource
-    from target_worker.engine import Engine
+    from outrider.draft_worker import build_proposer
+    from outrider.target_worker.draft_source import InProcessDraftSource
+    from outrider.target_worker.engine import Engine
 
     out: dict[str, Generate] = {}
     for label, config in table.items():
@@ -54,7 +61,7 @@ def engine_runs(
 
 
 def peer_runs(peers) -> dict[str, Generate]:
-    from kernels import SpecDecodeCounters
+    from outrider.kernels import SpecDecodeCounters
 
     def make(name: str) -> Generate:
         def run(prompt, params):
@@ -87,7 +94,7 @@ def sweep(
     log,
 ) -> tuple[dict, dict]:
     """Cells by (name, set, T), and at T = 0 whether each run's tokens equal plain's."""
-    from target_worker.sequence import RequestParams
+    from outrider.target_worker.sequence import RequestParams
 
     cells: dict[tuple[str, str, float], Cell] = {}
     identical: dict[tuple[str, str, float], list[bool]] = {}
@@ -218,10 +225,10 @@ def shown(config: dict | None) -> dict | None:
 def run_bench(args: argparse.Namespace, log=print) -> dict:
     from transformers import AutoTokenizer
 
-    from benchmarks.prompts import load_prompts
-    from benchmarks.report import environment
-    from draft_worker import known_methods
-    from target_worker.runner import ModelRunner
+    from outrider.benchmarks.prompts import load_prompts
+    from outrider.benchmarks.report import environment
+    from outrider.draft_worker import known_methods
+    from outrider.target_worker.runner import ModelRunner
 
     torch.set_num_threads(args.threads)
     started, phases = time.perf_counter(), {}
@@ -242,7 +249,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     names = list(runs)
     peers = None
     if not args.no_peers:
-        from benchmarks.bench_peers import HFPeers
+        from outrider.benchmarks.bench_peers import HFPeers
 
         peers = HFPeers(models.target_dir, models.draft_dir, tokenizer.pad_token_id or tokenizer.eos_token_id)
         runs |= peer_runs(peers)
@@ -252,7 +259,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
         s: load_prompts(s, tokenizer, count=args.prompts, prompt_tokens=args.prompt_tokens) for s in sets
     }
     primary = PRIMARY_SET if PRIMARY_SET in sets else sets[0]
-    from target_worker.sequence import RequestParams
+    from outrider.target_worker.sequence import RequestParams
 
     log(f"prompts ready; warming up {len(runs)} configurations")
     warm = RequestParams(max_tokens=4, ignore_eos=True)
@@ -296,7 +303,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     levels = [int(c) for c in args.concurrency.split(",") if c]
     greedy_best = next((line["best_method"] for line in lines if line["temperature"] == 0), None)
     if levels and greedy_best:
-        from benchmarks.bench_serving import bench_serving
+        from outrider.benchmarks.bench_serving import bench_serving
 
         log(f"serving: {serve_method} (best at T=0), concurrency {levels}")
         t0 = time.perf_counter()

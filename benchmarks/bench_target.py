@@ -1,7 +1,7 @@
 """Target-worker benchmark on the demo target: plain decode, verify-forward cost, runner vs HF.
 
-    python -m benchmarks.bench_target                 # the small demo family (built if absent)
-    python -m benchmarks.bench_target --size tiny     # seconds; for a quick look
+    python -m outrider.benchmarks.bench_target                 # the small demo family (built if absent)
+    python -m outrider.benchmarks.bench_target --size tiny     # seconds; for a quick look
 
 Three measurements, each repeated with its variants interleaved inside every repeat (other
 processes share these machines: absolute speeds drift 15-25% over minutes, ratios within one
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.prompts import load_prompts
-from benchmarks.report import DecodeRow, markdown_table, write_report
-from target_worker.batch import SequenceChunk, build_forward_batch
-from target_worker.engine import Engine
-from target_worker.runner import ModelRunner
-from target_worker.sequence import RequestParams
+from outrider.benchmarks.prompts import load_prompts
+from outrider.benchmarks.report import DecodeRow, markdown_table, write_report
+from outrider.target_worker.batch import SequenceChunk, build_forward_batch
+from outrider.target_worker.engine import Engine
+from outrider.target_worker.runner import ModelRunner
+from outrider.target_worker.sequence import RequestParams
 
 BATCH_SIZES = (1, 4, 16)
 TREE_SIZES = (1, 4, 8, 16, 32, 64)
@@ -44,7 +44,7 @@ PROMPT_SET = "mid"
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_target", description=__doc__.split("\n")[0]
+        prog="python -m outrider.benchmarks.bench_target", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--size", choices=("tiny", "small"), default="small", help="demo family size")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
@@ -240,7 +240,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from cluster.demo.family import ensure_demo_family
+    from outrider.demo.family import ensure_demo_family
 
     family = ensure_demo_family(args.size)
     tokenizer = AutoTokenizer.from_pretrained(family.tokenizer_dir)
@@ -273,7 +273,7 @@ def main() -> None:
     speedup = 1 / versus[1]["speedup_vs_plain"]
     verify_table = markdown_table(verify_rows, ["batch_size", "tree_nodes", "ms", "relative_to_decode"])
     notes = f"""
-`python -m benchmarks.bench_target --size {args.size}`: demo target `{family.root.name}`,
+`python -m outrider.benchmarks.bench_target --size {args.size}`: demo target `{family.root.name}`,
 {args.threads} torch thread(s), held-out `{PROMPT_SET}` prompts of {prompt_tokens} tokens. The machine
 is shared with other work, so every figure is a median over {args.repeats} repeats with the
 variants interleaved inside each repeat; ratios are steadier than absolute speeds.

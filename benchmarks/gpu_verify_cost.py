@@ -1,7 +1,7 @@
 """Verify cost on a GPU: an n-node tree forward vs a 1-token decode, for a Llama-3.1-8B-shaped slice.
 
-    python -m benchmarks.gpu_verify_cost                  # 4 layers of the 8B shape, bf16, on cuda
-    python -m benchmarks.gpu_verify_cost --layers 32      # the whole depth (16 GB of weights)
+    python -m outrider.benchmarks.gpu_verify_cost                  # 4 layers of the 8B shape, bf16, on cuda
+    python -m outrider.benchmarks.gpu_verify_cost --layers 32      # the whole depth (16 GB of weights)
 
 Why: speculation pays when verifying a tree costs little more than decoding one token. On
 the 2-core CPU a 16-node tree costs ~2x a decode (ALGORITHMS.md 9), so CPU trees must stay
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_target import random_tree
-from benchmarks.report import DecodeRow, write_report
-from target_worker.batch import SequenceChunk, build_forward_batch
-from target_worker.runner import ModelRunner
+from outrider.benchmarks.bench_target import random_tree
+from outrider.benchmarks.report import DecodeRow, write_report
+from outrider.target_worker.batch import SequenceChunk, build_forward_batch
+from outrider.target_worker.runner import ModelRunner
 
 LLAMA_8B = dict(
     hidden_size=4096,
@@ -95,7 +95,7 @@ def timed_ms(runner: ModelRunner, batch, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu_verify_cost", description=__doc__.split("\n")[0]
+        prog="python -m outrider.benchmarks.gpu_verify_cost", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--context", type=int, default=512, help="cached prompt tokens per sequence")
@@ -173,7 +173,7 @@ def main() -> None:
         },
         title=f"Verify cost on {torch.cuda.get_device_name()}: Llama-3.1-8B shape, {args.layers} layers, bf16",
         notes=(
-            f"`python -m benchmarks.gpu_verify_cost --layers {args.layers} --context {args.context}`: "
+            f"`python -m outrider.benchmarks.gpu_verify_cost --layers {args.layers} --context {args.context}`: "
             "one runner forward of an n-node tree per sequence after the cached context, median ms, "
             "and its ratio to a 1-token decode of the same batch in the same repeat."
         ),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from cluster.demo.corpus import load_corpus
+from outrider.demo.corpus import load_corpus
 
 PROMPT_SETS = ("start", "mid")
 

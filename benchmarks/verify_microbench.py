@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.packing import PackedTrees  # noqa: E402
-from kernels.verification import draw_verify_randoms, verify  # noqa: E402
+from outrider.kernels.packing import PackedTrees  # noqa: E402
+from outrider.kernels.verification import draw_verify_randoms, verify  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -16,12 +16,12 @@ from typing import Any
 
 from ray import serve
 
-from cluster.config import OutriderArgs, load_args
-from cluster.draft import DraftWorker
-from cluster.ingress import OpenAIIngress
-from cluster.placement import cluster_pools, draft_options, target_options
-from cluster.served_model import resolve_model
-from cluster.target import TargetWorker, speculative_for
+from outrider.cluster.config import OutriderArgs, load_args
+from outrider.cluster.draft import DraftWorker
+from outrider.cluster.ingress import OpenAIIngress
+from outrider.cluster.placement import cluster_pools, draft_options, target_options
+from outrider.cluster.served_model import resolve_model
+from outrider.cluster.target import TargetWorker, speculative_for
 
 
 def build_app(args: OutriderArgs | dict[str, Any] | None = None) -> serve.Application:

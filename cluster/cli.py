@@ -11,12 +11,15 @@ import json
 import sys
 from pathlib import Path
 
-from cluster.demo.recipe import DEFAULT_SIZE, RECIPES
-from cluster.serve_cli import add_serve_parser
+from outrider.cluster.serve_cli import add_serve_parser
+from outrider.demo.recipe import DEFAULT_SIZE, RECIPES
+
+# The repository's top-level folders, installed as `outrider.<name>` (pyproject.toml).
+PACKAGES = ("proto", "kernels", "target_worker", "draft_worker", "demo", "cluster", "benchmarks")
 
 
 def _cmd_demo_build(args: argparse.Namespace) -> int:
-    from cluster.demo.family import ensure_demo_family, export_family
+    from outrider.demo.family import ensure_demo_family, export_family
 
     family = ensure_demo_family(args.size, seed=args.seed, force=args.force, progress=not args.quiet)
     m = family.manifest
@@ -29,7 +32,7 @@ def _cmd_demo_build(args: argparse.Namespace) -> int:
         f"greedy agreement {m['draft']['greedy_agreement_with_target']:.3f}"
     )
     if not args.no_heads:
-        from cluster.demo.heads import ensure_demo_heads
+        from outrider.demo.heads import ensure_demo_heads
 
         for method, folder in ensure_demo_heads(family, progress=not args.quiet).items():
             print(f"  {method} head: {folder}")
@@ -39,7 +42,7 @@ def _cmd_demo_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo_info(args: argparse.Namespace) -> int:
-    from cluster.demo.family import CorruptCacheError, family_dir, recipe_for, verify_family
+    from outrider.demo.family import CorruptCacheError, family_dir, recipe_for, verify_family
 
     recipe = recipe_for(args.size, args.seed)
     root = family_dir(recipe)
@@ -61,7 +64,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.model:
         model_dir = Path(args.model)
     else:
-        from cluster.demo.family import ensure_demo_family
+        from outrider.demo.family import ensure_demo_family
 
         model_dir = ensure_demo_family(args.demo).target_dir
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -77,18 +80,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_install(args: argparse.Namespace) -> int:
+    """Versions of Outrider and what it runs on, and where each of its packages is imported from."""
+    import importlib
     import importlib.metadata
 
-    from cluster.import_guard import check_import_names
-
-    check_import_names()
     for dist in ("outrider", "torch", "transformers", "ray", "grpcio", "protobuf", "tokenizers"):
         try:
             print(f"{dist:13} {importlib.metadata.version(dist)}")
         except importlib.metadata.PackageNotFoundError:
-            print(f"{dist:13} not installed", file=sys.stderr)
+            print(f"outrider: error: {dist} is not installed", file=sys.stderr)
             return 1
-    print("import names: proto, kernels, target_worker, draft_worker, cluster are Outrider's")
+    for name in PACKAGES:
+        module = importlib.import_module(f"outrider.{name}")
+        print(f"outrider.{name:14} {Path(module.__file__).parent}")
     return 0
 
 
@@ -98,11 +102,11 @@ def _demo_draft_dirs(size: str, method: str = "draft_model") -> tuple[Path, Path
     draft_model drafts with the family's draft LM; a method with a trainer (eagle3, peagle,
     ...) with its trained head (built and cached on first use); others need no model.
     """
-    from cluster.demo.family import ensure_demo_family
+    from outrider.demo.family import ensure_demo_family
 
     family = ensure_demo_family(size)
     if method != "draft_model":
-        from cluster.demo.heads import demo_head_dir, head_methods
+        from outrider.demo.heads import demo_head_dir, head_methods
 
         if method in head_methods():
             return demo_head_dir(family, method), family.tokenizer_dir
@@ -110,7 +114,7 @@ def _demo_draft_dirs(size: str, method: str = "draft_model") -> tuple[Path, Path
 
 
 def _cmd_train_draft(args: argparse.Namespace) -> int:
-    from draft_worker.training import TrainArgs, train_draft
+    from outrider.draft_worker.training import TrainArgs, train_draft
 
     options = json.loads(args.options)
     metrics = train_draft(
@@ -171,14 +175,9 @@ def _add_train_draft_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    """`outrider bench`: the options and the run live in the repository's `benchmarks/` (not installed)."""
-    repo = Path(__file__).resolve().parent.parent
-    if (repo / "benchmarks" / "bench.py").is_file() and str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))  # an editable install from a checkout: benchmarks/ sits beside cluster/
-    try:
-        from benchmarks.bench import add_bench_arguments, cli_main
-    except ImportError:
-        return  # installed without the repository: no benchmarks to run
+    """`outrider bench`: its options and its run live in `outrider.benchmarks`, imported only here."""
+    from outrider.benchmarks.bench import add_bench_arguments, cli_main
+
     bench = commands.add_parser(
         "bench",
         help="benchmark every drafting method against plain decoding and transformers (JSON, Markdown, PNG)",
@@ -266,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     generate.set_defaults(func=_cmd_generate)
 
-    from draft_worker.server_cli import add_draft_server_parser
+    from outrider.draft_worker.server_cli import add_draft_server_parser
 
     add_draft_server_parser(commands, resolve_demo=_demo_draft_dirs, demo_sizes=sizes)
     _add_train_draft_parser(commands)

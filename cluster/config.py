@@ -18,7 +18,7 @@ a message naming the field; the engine and the workers get frozen values built f
 A minimal Serve config (`serve run cluster/serve_demo.yaml`):
 
     applications:
-      - import_path: cluster.app:build_app
+      - import_path: outrider.cluster.app:build_app
         args: {demo: tiny, speculative_config: {method: ngram, num_speculative_tokens: 4}}
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.gpu_pools import GpuPoolConfig
+from outrider.cluster.gpu_pools import GpuPoolConfig
 
 DEFAULT_SPECULATIVE_CONFIG: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4}
 
@@ -173,7 +173,7 @@ class DraftPoolArgs(_Strict):
 
     def server_security(self) -> tuple[Any, str | None]:
         """(ServerTls or None, token or None) for a draft server of this pool."""
-        from draft_worker.server import ServerTls
+        from outrider.draft_worker.server import ServerTls
 
         tls = None
         if self.tls_cert_file:
@@ -185,7 +185,7 @@ class DraftPoolArgs(_Strict):
 
     def client_security(self) -> tuple[Any, str | None]:
         """(ClientTls or None, token or None) for a target talking to this pool."""
-        from target_worker.draft_client import ClientTls
+        from outrider.target_worker.draft_client import ClientTls
 
         tls = None
         if self.tls_ca_file:
@@ -293,8 +293,8 @@ class OutriderArgs(_Strict):
 
 def parse_speculative(config: dict[str, Any]):
     """`draft_worker`'s own parser, so the config edge and the drafter agree on every key."""
-    import draft_worker  # noqa: F401 - registers the built-in methods
-    from draft_worker.proposer import parse_speculative_config
+    from outrider import draft_worker  # noqa: F401 - registers the built-in methods
+    from outrider.draft_worker.proposer import parse_speculative_config
 
     return parse_speculative_config(config)
 

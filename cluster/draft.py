@@ -23,7 +23,7 @@ import ray
 from ray import serve
 from ray.experimental import internal_kv
 
-from cluster.served_model import ServedModel
+from outrider.cluster.served_model import ServedModel
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
@@ -70,13 +70,13 @@ class DraftWorker:
     def __init__(
         self, model: ServedModel, speculative_config: dict, grpc_port: int = 0, pool: dict | None = None
     ):
-        import draft_worker  # noqa: F401 - registers the built-in methods
-        from cluster.config import DraftPoolArgs
-        from cluster.tp_shards import default_device
-        from draft_worker.proposer import build_proposer
-        from draft_worker.server import DraftIdentity
-        from draft_worker.server import serve as serve_grpc
-        from target_worker.draft_client import tokenizer_fingerprint
+        from outrider import draft_worker  # noqa: F401 - registers the built-in methods
+        from outrider.cluster.config import DraftPoolArgs
+        from outrider.cluster.tp_shards import default_device
+        from outrider.draft_worker.proposer import build_proposer
+        from outrider.draft_worker.server import DraftIdentity
+        from outrider.draft_worker.server import serve as serve_grpc
+        from outrider.target_worker.draft_client import tokenizer_fingerprint
 
         # The replica's GPU when Ray gave it one (draft pools on small GPUs), else the CPU.
         proposer = build_proposer(speculative_config, vocab_size=model.vocab_size, device=default_device())

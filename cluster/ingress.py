@@ -34,9 +34,9 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
-from cluster.engine_loop import EngineOverloaded
-from cluster.metrics import Metrics
-from cluster.openai_api import (
+from outrider.cluster.engine_loop import EngineOverloaded
+from outrider.cluster.metrics import Metrics
+from outrider.cluster.openai_api import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,8 +47,8 @@ from cluster.openai_api import (
     usage,
     validation_error,
 )
-from cluster.served_model import ServedModel
-from cluster.text import Detokenizer, apply_chat_template, load_tokenizer
+from outrider.cluster.served_model import ServedModel
+from outrider.cluster.text import Detokenizer, apply_chat_template, load_tokenizer
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="Outrider", description="OpenAI-compatible speculative decoding")
@@ -138,7 +138,7 @@ class OpenAIIngress:
         except Exception as e:  # a scrape must still answer with what is known
             log.warning("metrics: no fresh target snapshot (%s)", e)
         try:  # draft replicas announce their counters with their address (cluster.draft)
-            from cluster.draft import draft_announcements
+            from outrider.cluster.draft import draft_announcements
 
             self.metrics.draft_snapshots(draft_announcements(serve.get_replica_context().app_name))
         except Exception as e:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from cluster.config import AutoscalingArgs, OutriderArgs
-from cluster.gpu_pools import (
+from outrider.cluster.config import AutoscalingArgs, OutriderArgs
+from outrider.cluster.gpu_pools import (
     DRAFT_RESOURCE,
     TARGET_RESOURCE,
     GpuInfo,
@@ -87,7 +87,7 @@ def target_options(args: OutriderArgs, pools: PoolAssignment) -> dict[str, Any]:
 def draft_options(args: OutriderArgs, pools: PoolAssignment) -> dict[str, Any]:
     gpu = placement_resources("draft", pools, args.draft_pool.gpus_per_replica)
     policy = {
-        "policy_function": "cluster.placement:DraftLoadPolicy",
+        "policy_function": "outrider.cluster.placement:DraftLoadPolicy",
         "policy_kwargs": {"target_busy_fraction": DRAFT_TARGET_BUSY},
     }
     return {

@@ -70,7 +70,7 @@ def args_from_cli(ns: argparse.Namespace) -> dict:
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from cluster.config import load_args
+    from outrider.cluster.config import load_args
 
     try:
         config = load_args(args_from_cli(ns))
@@ -80,8 +80,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app
-    from cluster.gpu_pools import classify, gpu_inventory
+    from outrider.cluster.app import build_app
+    from outrider.cluster.gpu_pools import classify, gpu_inventory
 
     pools = classify(gpu_inventory(), config.gpu_pools)
     ray.init(num_cpus=ns.num_cpus, resources=pools.ray_resources(), include_dashboard=False)

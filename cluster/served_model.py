@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import OutriderArgs
+from outrider.cluster.config import OutriderArgs
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def resolve_model(args: OutriderArgs, progress: bool = False) -> ServedModel:
         tokenizer = Path(args.tokenizer or args.model)
         default_name = target.resolve().name
     else:
-        from cluster.demo.family import ensure_demo_family
+        from outrider.demo.family import ensure_demo_family
 
         family = ensure_demo_family(args.demo, progress=progress)
         target, draft = family.target_dir, family.draft_dir
@@ -61,7 +61,7 @@ def _demo_head(family, args: OutriderArgs, progress: bool) -> Path | None:
     spec = args.speculative
     if spec is None or "model" in spec:
         return None
-    from cluster.demo.heads import demo_head_dir, head_methods
+    from outrider.demo.heads import demo_head_dir, head_methods
 
     return (
         demo_head_dir(family, spec["method"], progress=progress) if spec["method"] in head_methods() else None

@@ -25,10 +25,10 @@ from typing import Any
 
 from ray import serve
 
-from cluster.config import OutriderArgs, load_args
-from cluster.engine_loop import EngineLoop
-from cluster.served_model import ServedModel
-from target_worker.draft_source import DraftSource
+from outrider.cluster.config import OutriderArgs, load_args
+from outrider.cluster.engine_loop import EngineLoop
+from outrider.cluster.served_model import ServedModel
+from outrider.target_worker.draft_source import DraftSource
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ class TargetWorker:
         """`drafts`: the draft deployment's handle when there is one (its replicas are found by registry)."""
         import torch
 
-        from proto import TreeBudget
-        from target_worker.engine import DEFAULT_TREE_BUDGET, Engine
+        from outrider.proto import DEFAULT_TREE_BUDGET, TreeBudget
+        from outrider.target_worker.engine import Engine
 
         self.model, self.args = model, load_args(args)
         engine_args = self.args.engine
@@ -65,12 +65,12 @@ class TargetWorker:
         self.replica = context.replica_id.unique_id
 
     def _build_runner(self):
-        from target_worker.runner import ModelRunner
+        from outrider.target_worker.runner import ModelRunner
 
         limits = self.args.engine
         rows = limits.kv_cache_rows or limits.max_num_seqs * self.model.max_model_len
         if self.args.tensor_parallel_size == 1:
-            from cluster.tp_shards import default_device
+            from outrider.cluster.tp_shards import default_device
 
             return ModelRunner.from_pretrained(
                 self.model.target_dir,
@@ -78,7 +78,7 @@ class TargetWorker:
                 kv_cache_rows=rows,
                 device=default_device(),
             )
-        from cluster.tp_shards import TPShards, default_device
+        from outrider.cluster.tp_shards import TPShards, default_device
 
         gpus = self.args.target.gpus_per_rank if default_device() == "cuda" else 0.0
         self.shards = TPShards(self.model, self.args.tensor_parallel_size, rows, gpus)
@@ -87,7 +87,7 @@ class TargetWorker:
     # ------------------------------------------------------------------ requests
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        from target_worker.sequence import RequestParams
+        from outrider.target_worker.sequence import RequestParams
 
         sampling = request.get("sampling", {})
         params = RequestParams(
@@ -213,7 +213,7 @@ class DraftPoolWatcher:
         self._thread.start()
 
     def _run(self) -> None:
-        from cluster.draft import draft_endpoints
+        from outrider.cluster.draft import draft_endpoints
 
         while not self._stop.wait(self.period_s):
             try:
@@ -249,15 +249,19 @@ def build_draft_source(args: OutriderArgs, model: ServedModel, runner, app_name:
         return None
     pool = args.draft_pool
     if pool.mode == "colocated":
-        import draft_worker  # noqa: F401 - registers the built-in methods
-        from draft_worker.proposer import build_proposer
-        from target_worker.draft_source import InProcessDraftSource
+        from outrider import draft_worker  # noqa: F401 - registers the built-in methods
+        from outrider.draft_worker.proposer import build_proposer
+        from outrider.target_worker.draft_source import InProcessDraftSource
 
         proposer = build_proposer(spec, vocab_size=model.vocab_size, device=runner.device)
         return TimedDraftSource(InProcessDraftSource(proposer))
-    from cluster.draft import wait_for_draft_endpoints
-    from proto import HandshakeRequest, Limits
-    from target_worker.draft_client import DraftClientConfig, RemoteDraftSource, tokenizer_fingerprint
+    from outrider.cluster.draft import wait_for_draft_endpoints
+    from outrider.proto import HandshakeRequest, Limits
+    from outrider.target_worker.draft_client import (
+        DraftClientConfig,
+        RemoteDraftSource,
+        tokenizer_fingerprint,
+    )
 
     addresses = pool.draft_endpoints if pool.mode == "external" else wait_for_draft_endpoints(app_name)
     budget = args.tree_budget

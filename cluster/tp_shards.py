@@ -21,7 +21,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.served_model import ServedModel
+from outrider.cluster.served_model import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ def default_device() -> str:
 def _join(rank: int, world_size: int, address: str, timeout_s: float = 300.0):
     import torch.distributed as dist
 
-    from target_worker.parallel import TPGroup
-    from target_worker.parallel.launcher import default_backend
+    from outrider.target_worker.parallel import TPGroup
+    from outrider.target_worker.parallel.launcher import default_backend
 
     dist.init_process_group(
         default_backend(),
@@ -49,7 +49,7 @@ def _join(rank: int, world_size: int, address: str, timeout_s: float = 300.0):
 
 
 def _load(model: ServedModel, tp, rows: int):
-    from target_worker.runner import ModelRunner
+    from outrider.target_worker.runner import ModelRunner
 
     return ModelRunner.from_pretrained(
         model.target_dir,
@@ -74,7 +74,7 @@ class TPShard:
     def follow(self) -> int:
         import torch.distributed as dist
 
-        from target_worker.parallel.batch_broadcast import BatchBroadcaster, follow
+        from outrider.target_worker.parallel.batch_broadcast import BatchBroadcaster, follow
 
         try:
             return follow(self.runner, BatchBroadcaster(self.tp, self.runner.device))
@@ -107,7 +107,7 @@ class TPShards:
         log.info("tensor-parallel group of %d ranks ready (rendezvous %s)", world_size, address)
 
     def leader_runner(self):
-        from target_worker.parallel.batch_broadcast import BatchBroadcaster, LeaderRunner
+        from outrider.target_worker.parallel.batch_broadcast import BatchBroadcaster, LeaderRunner
 
         self.leader = LeaderRunner(self.runner, BatchBroadcaster(self.tp, self.runner.device))
         return self.leader

@@ -16,17 +16,17 @@ registry imports the built-in methods the first time it is asked about methods, 
 import importlib
 
 _EXPORTS = {
-    "SpeculativeConfig": "draft_worker.config",
-    "Proposer": "draft_worker.proposer",
-    "build_proposer": "draft_worker.proposer",
-    "known_methods": "draft_worker.proposer",
-    "parse_speculative_config": "draft_worker.proposer",
-    "register_proposer": "draft_worker.proposer",
-    "root_only_tree": "draft_worker.proposer",
-    "Frontier": "draft_worker.tree_builder",
-    "LogitsFn": "draft_worker.tree_builder",
-    "build_trees": "draft_worker.tree_builder",
-    "draft_generator": "draft_worker.tree_builder",
+    "SpeculativeConfig": "outrider.draft_worker.config",
+    "Proposer": "outrider.draft_worker.proposer",
+    "build_proposer": "outrider.draft_worker.proposer",
+    "known_methods": "outrider.draft_worker.proposer",
+    "parse_speculative_config": "outrider.draft_worker.proposer",
+    "register_proposer": "outrider.draft_worker.proposer",
+    "root_only_tree": "outrider.draft_worker.proposer",
+    "Frontier": "outrider.draft_worker.tree_builder",
+    "LogitsFn": "outrider.draft_worker.tree_builder",
+    "build_trees": "outrider.draft_worker.tree_builder",
+    "draft_generator": "outrider.draft_worker.tree_builder",
 }
 
 __all__ = sorted(_EXPORTS)

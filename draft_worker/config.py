@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proto import DraftSampling, TreeBudget
+from outrider.proto import DEFAULT_Q_WIDTH, DraftSampling, TreeBudget
 
 COMMON_KEYS = (
     "method",
@@ -47,11 +47,6 @@ _SAMPLING_NAMES = {
     "with_replacement": DraftSampling.WITH_REPLACEMENT,
     "without_replacement": DraftSampling.WITHOUT_REPLACEMENT,
 }
-
-
-DEFAULT_Q_WIDTH = (
-    32  # entries per sampled q row (small family, T = 1: tau 1.25 at 1 entry, 1.88 at 16, 2.11 at 32)
-)
 
 
 @dataclass(frozen=True)

@@ -55,14 +55,14 @@ from pathlib import Path
 
 import torch
 
-from draft_worker.proposer import Proposer, register_proposer, root_only_tree
-from draft_worker.tree_builder import Frontier, build_trees, draft_generator
-from proto import CandidateTree, DraftSampling, SequenceUpdate, TreeBudget
-from proto.handshake import vocab_fingerprint
-from target_worker.batch import ForwardBatch, SequenceChunk, build_forward_batch
-from target_worker.kv_cache import CacheFullError
-from target_worker.loader import DTYPES
-from target_worker.runner import ModelRunner
+from outrider.draft_worker.proposer import Proposer, register_proposer, root_only_tree
+from outrider.draft_worker.tree_builder import Frontier, build_trees, draft_generator
+from outrider.proto import CandidateTree, DraftSampling, SequenceUpdate, TreeBudget
+from outrider.proto.handshake import vocab_fingerprint
+from outrider.target_worker.batch import ForwardBatch, SequenceChunk, build_forward_batch
+from outrider.target_worker.kv_cache import CacheFullError
+from outrider.target_worker.loader import DTYPES
+from outrider.target_worker.runner import ModelRunner
 
 NO_DRAFT = TreeBudget(max_nodes=1, max_depth=0, top_k=0)
 

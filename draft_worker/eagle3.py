@@ -37,14 +37,14 @@ from pathlib import Path
 
 import torch
 
-from draft_worker.draft_model import NO_DRAFT, _TreeScratch, chain_tree, check_model_options
-from draft_worker.eagle_head import EagleHead, eagle3_layer_ids, load_head, rope_table
-from draft_worker.proposer import Proposer, register_proposer, root_only_tree
-from draft_worker.tree_builder import Frontier, build_trees, draft_generator
-from proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate, TreeBudget
-from target_worker.batch import ForwardBatch, ForwardOutput, SequenceChunk, build_forward_batch
-from target_worker.kv_cache import CacheFullError, KVCache, KVSpec
-from target_worker.loader import DTYPES
+from outrider.draft_worker.draft_model import NO_DRAFT, _TreeScratch, chain_tree, check_model_options
+from outrider.draft_worker.eagle_head import EagleHead, eagle3_layer_ids, load_head, rope_table
+from outrider.draft_worker.proposer import Proposer, register_proposer, root_only_tree
+from outrider.draft_worker.tree_builder import Frontier, build_trees, draft_generator
+from outrider.proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate, TreeBudget
+from outrider.target_worker.batch import ForwardBatch, ForwardOutput, SequenceChunk, build_forward_batch
+from outrider.target_worker.kv_cache import CacheFullError, KVCache, KVSpec
+from outrider.target_worker.loader import DTYPES
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from target_worker.layers.attention import SeqAttention, plan_attention, ragged_attention
+from outrider.target_worker.layers.attention import SeqAttention, plan_attention, ragged_attention
 
 if TYPE_CHECKING:
-    from target_worker.batch import ForwardBatch
+    from outrider.target_worker.batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -369,7 +369,7 @@ def load_head(
                 f"{folder} has no embed_tokens.weight (published EAGLE-3 heads share the target's): "
                 "give the option `target_model` (the target checkpoint folder) to read it from"
             )
-        from target_worker.loader import CheckpointReader
+        from outrider.target_worker.loader import CheckpointReader
 
         renamed["embed_tokens.weight"] = CheckpointReader(embed_from).read(
             "model.embed_tokens.weight", torch.float32

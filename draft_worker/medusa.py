@@ -54,11 +54,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from draft_worker.proposer import Proposer, register_proposer, root_only_tree
-from draft_worker.tree_builder import draft_generator
-from kernels import process_logits
-from proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate, TreeBudget
-from target_worker.loader import DTYPES, CheckpointError, CheckpointReader
+from outrider.draft_worker.proposer import Proposer, register_proposer, root_only_tree
+from outrider.draft_worker.tree_builder import draft_generator
+from outrider.kernels import process_logits
+from outrider.proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate, TreeBudget
+from outrider.target_worker.loader import DTYPES, CheckpointError, CheckpointReader
 
 log = logging.getLogger(__name__)
 

@@ -57,22 +57,28 @@ from pathlib import Path
 
 import torch
 
-from draft_worker.draft_model import NO_DRAFT, _TreeScratch, chain_tree, check_model_options, draft_vocabulary
-from draft_worker.proposer import Proposer, register_proposer, root_only_tree
-from draft_worker.tree_builder import Frontier, build_trees, draft_generator
-from proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate
-from target_worker.batch import ForwardBatch, ForwardOutput, SequenceChunk, build_forward_batch
-from target_worker.kv_cache import CacheFullError, KVCache, KVSpec
-from target_worker.layers.attention import SeqAttention, plan_attention
-from target_worker.layers.fp8 import maybe_fp8
-from target_worker.layers.linear import Linear
-from target_worker.layers.norm import RMSNorm
-from target_worker.layers.rope import RotaryEmbedding
-from target_worker.loader import DTYPES, CheckpointError, CheckpointReader
-from target_worker.models import resolve_architecture
-from target_worker.models.deepseek_v3 import DeepseekV3Block, DeepseekV3Config, DeepseekV3Model
-from target_worker.models.llama import LlamaBlock, LlamaFamilyConfig, LlamaFamilyModel
-from target_worker.parallel.group import TPGroup
+from outrider.draft_worker.draft_model import (
+    NO_DRAFT,
+    _TreeScratch,
+    chain_tree,
+    check_model_options,
+    draft_vocabulary,
+)
+from outrider.draft_worker.proposer import Proposer, register_proposer, root_only_tree
+from outrider.draft_worker.tree_builder import Frontier, build_trees, draft_generator
+from outrider.proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate
+from outrider.target_worker.batch import ForwardBatch, ForwardOutput, SequenceChunk, build_forward_batch
+from outrider.target_worker.kv_cache import CacheFullError, KVCache, KVSpec
+from outrider.target_worker.layers.attention import SeqAttention, plan_attention
+from outrider.target_worker.layers.fp8 import maybe_fp8
+from outrider.target_worker.layers.linear import Linear
+from outrider.target_worker.layers.norm import RMSNorm
+from outrider.target_worker.layers.rope import RotaryEmbedding
+from outrider.target_worker.loader import DTYPES, CheckpointError, CheckpointReader
+from outrider.target_worker.models import resolve_architecture
+from outrider.target_worker.models.deepseek_v3 import DeepseekV3Block, DeepseekV3Config, DeepseekV3Model
+from outrider.target_worker.models.llama import LlamaBlock, LlamaFamilyConfig, LlamaFamilyModel
+from outrider.target_worker.parallel.group import TPGroup
 
 # (block, rope, per-token cache buffers) of the MTP layer, by the checkpoint's architecture.
 BlockParts = tuple[Callable, RotaryEmbedding, tuple[tuple[str, tuple[int, ...]], ...]]

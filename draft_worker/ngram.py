@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_worker.proposer import Proposer, register_proposer, root_only_tree
-from proto import CandidateTree, DraftSampling, SequenceUpdate
+from outrider.draft_worker.proposer import Proposer, register_proposer, root_only_tree
+from outrider.proto import CandidateTree, DraftSampling, SequenceUpdate
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,12 @@ from collections.abc import Sequence
 
 import torch
 
-from draft_worker.draft_model import chain_tree
-from draft_worker.eagle3 import Eagle3Proposer, EagleState
-from draft_worker.proposer import register_proposer, root_only_tree
-from draft_worker.tree_builder import Frontier, build_trees
-from proto import CandidateTree, DraftSampling, SequenceUpdate
-from target_worker.batch import SequenceChunk, build_forward_batch
+from outrider.draft_worker.draft_model import chain_tree
+from outrider.draft_worker.eagle3 import Eagle3Proposer, EagleState
+from outrider.draft_worker.proposer import register_proposer, root_only_tree
+from outrider.draft_worker.tree_builder import Frontier, build_trees
+from outrider.proto import CandidateTree, DraftSampling, SequenceUpdate
+from outrider.target_worker.batch import SequenceChunk, build_forward_batch
 
 
 @register_proposer("peagle")

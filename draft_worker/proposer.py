@@ -36,8 +36,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from draft_worker.config import SpeculativeConfig
-from proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate, TreeBudget
+from outrider.draft_worker.config import SpeculativeConfig
+from outrider.proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate, TreeBudget
 
 StateT = TypeVar("StateT")
 
@@ -236,13 +236,13 @@ def register_proposer(method: str) -> Callable[[P], P]:
 
 # Modules whose import registers a built-in method; loaded the first time the registry is read.
 _BUILTIN_MODULES = (
-    "draft_worker.ngram",
-    "draft_worker.suffix_tree",
-    "draft_worker.draft_model",
-    "draft_worker.medusa",
-    "draft_worker.eagle3",
-    "draft_worker.peagle",
-    "draft_worker.mtp",
+    "outrider.draft_worker.ngram",
+    "outrider.draft_worker.suffix_tree",
+    "outrider.draft_worker.draft_model",
+    "outrider.draft_worker.medusa",
+    "outrider.draft_worker.eagle3",
+    "outrider.draft_worker.peagle",
+    "outrider.draft_worker.mtp",
 )
 
 

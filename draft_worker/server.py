@@ -36,9 +36,9 @@ from dataclasses import dataclass, replace
 import grpc
 import torch
 
-from draft_worker.proposer import Proposer
-from draft_worker.spec_cache import SpecCache, SpecCacheConfig, supports_speculation
-from proto import (
+from outrider.draft_worker.proposer import Proposer
+from outrider.draft_worker.spec_cache import SpecCache, SpecCacheConfig, supports_speculation
+from outrider.proto import (
     CandidateTree,
     DraftRequest,
     HandshakeMismatchError,
@@ -54,8 +54,8 @@ from proto import (
     projection_chunks,
     projection_sha256,
 )
-from proto import outrider_pb2 as pb
-from proto import outrider_pb2_grpc as pb_grpc
+from outrider.proto import outrider_pb2 as pb
+from outrider.proto import outrider_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from draft_worker.proposer import Proposer
+    from outrider.draft_worker.proposer import Proposer
 
 # (SIZE, method) -> (the method's demo drafter folder, tokenizer folder)
 DemoResolver = Callable[[str, str], tuple[Path, Path]]
@@ -83,8 +83,8 @@ def add_draft_server_parser(
 
 
 def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None = None) -> int:
-    from draft_worker.server import DraftIdentity, ServerTls, serve
-    from draft_worker.spec_cache import SpecCacheConfig
+    from outrider.draft_worker.server import DraftIdentity, ServerTls, serve
+    from outrider.draft_worker.spec_cache import SpecCacheConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model_dir, tokenizer_dir, model_id = _model_folders(args, resolve_demo)
@@ -92,7 +92,7 @@ def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None
     if args.num_speculative_tokens is not None:
         config["num_speculative_tokens"] = args.num_speculative_tokens
     proposer = build_server_proposer(args.method, config, model_dir, tokenizer_dir)
-    from target_worker.draft_client import tokenizer_fingerprint
+    from outrider.target_worker.draft_client import tokenizer_fingerprint
 
     identity = DraftIdentity(
         draft_model_id=model_id,
@@ -132,7 +132,7 @@ def build_server_proposer(
     method: str, options: dict[str, Any], model_dir: Path | None, tokenizer_dir: Path
 ) -> Proposer:
     """The proposer for `method` with vLLM-style `options`; `model` goes only to methods taking one."""
-    from draft_worker import build_proposer
+    from outrider.draft_worker import build_proposer
 
     config = {"method": method, **options}
     vocab_size = _vocab_size(model_dir, tokenizer_dir)

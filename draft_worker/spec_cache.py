@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 
-from draft_worker.proposer import Proposer, SpeculationInterrupted
-from proto import CandidateTree, SequenceUpdate
+from outrider.draft_worker.proposer import Proposer, SpeculationInterrupted
+from outrider.proto import CandidateTree, SequenceUpdate
 
 
 @dataclass(frozen=True)

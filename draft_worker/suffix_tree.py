@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from draft_worker.proposer import Proposer, register_proposer, root_only_tree
-from proto import CandidateTree, DraftSampling, SequenceUpdate, TreeBudget
+from outrider.draft_worker.proposer import Proposer, register_proposer, root_only_tree
+from outrider.proto import CandidateTree, DraftSampling, SequenceUpdate, TreeBudget
 
 
 class TrieNode:

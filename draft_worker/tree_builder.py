@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 import torch
 
-from draft_worker.proposer import root_only_tree
-from kernels import process_logits
-from proto import CandidateTree, DraftSampling, SequenceUpdate, TreeBudget
+from outrider.draft_worker.proposer import root_only_tree
+from outrider.kernels import process_logits
+from outrider.proto import CandidateTree, DraftSampling, SequenceUpdate, TreeBudget
 
 
 @dataclass

@@ -4,13 +4,13 @@ Each op has a torch reference (any device) and a Triton kernel (CUDA), same sign
 chosen by `kernels.backend.use_triton`. Importing this package never imports triton.
 """
 
-from kernels.backend import Backend, use_triton
-from kernels.kv_compaction import compact_kv
-from kernels.logits_processing import process_logits
-from kernels.packing import PackedTrees, pack_trees
-from kernels.spec_metrics import SpecDecodeCounters
-from kernels.tree_buffers import TreeBuffers, build_tree_buffers, tree_attention_mask
-from kernels.verification import VerifyOutput, VerifyRandoms, draw_verify_randoms, verify
+from outrider.kernels.backend import Backend, use_triton
+from outrider.kernels.kv_compaction import compact_kv
+from outrider.kernels.logits_processing import process_logits
+from outrider.kernels.packing import PackedTrees, pack_trees
+from outrider.kernels.spec_metrics import SpecDecodeCounters
+from outrider.kernels.tree_buffers import TreeBuffers, build_tree_buffers, tree_attention_mask
+from outrider.kernels.verification import VerifyOutput, VerifyRandoms, draw_verify_randoms, verify
 
 __all__ = [
     "Backend",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import Backend, use_triton
+from outrider.kernels.backend import Backend, use_triton
 
 
 def compact_kv(
@@ -34,7 +34,7 @@ def compact_kv(
     if accepted_node_ids.numel() == 0:
         return
     if use_triton(backend, cache.device):
-        from kernels.kv_compaction_triton import compact_kv_triton
+        from outrider.kernels.kv_compaction_triton import compact_kv_triton
 
         compact_kv_triton(cache, accepted_node_ids, root_slots, slot_dim)
         return

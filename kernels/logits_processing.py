@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import Backend, use_triton
+from outrider.kernels.backend import Backend, use_triton
 
 
 def process_logits(
@@ -32,7 +32,7 @@ def process_logits(
     backend: Backend | None = None,
 ) -> torch.Tensor:  # [num_rows, vocab] float32, rows sum to 1
     if use_triton(backend, logits.device):
-        from kernels.logits_processing_triton import process_logits_triton
+        from outrider.kernels.logits_processing_triton import process_logits_triton
 
         return process_logits_triton(logits, temperature, top_k, top_p, min_p)
     return _process_logits_reference(logits, temperature, top_k, top_p, min_p)

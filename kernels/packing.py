@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from proto.tree import CandidateTree
+    from outrider.proto.tree import CandidateTree
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.verification import VerifyOutput
+from outrider.kernels.verification import VerifyOutput
 
 
 @dataclass

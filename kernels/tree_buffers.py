@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backend import Backend, use_triton
+from outrider.kernels.backend import Backend, use_triton
 
 
 @dataclass
@@ -39,7 +39,7 @@ def build_tree_buffers(
     sizes = cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]
     max_num_nodes = int(sizes.max())
     if use_triton(backend, parents.device):
-        from kernels.tree_buffers_triton import tree_buffers_triton
+        from outrider.kernels.tree_buffers_triton import tree_buffers_triton
 
         depths, ancestors_or_self, paths = tree_buffers_triton(parents, cu_num_draft_tokens, max_num_nodes)
     else:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import next_power_of_2
+from outrider.kernels.backend import next_power_of_2
 
 
 @triton.jit

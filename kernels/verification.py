@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backend import Backend, use_triton
-from kernels.packing import PackedTrees
-from proto.tree import DraftSampling
+from outrider.kernels.backend import Backend, use_triton
+from outrider.kernels.packing import PackedTrees
+from outrider.proto.tree import DraftSampling
 
 _DETERMINISTIC = int(DraftSampling.DETERMINISTIC)
 _WITHOUT_REPLACEMENT = int(DraftSampling.WITHOUT_REPLACEMENT)
@@ -94,7 +94,7 @@ def verify(
             torch.ones(trees.batch_size, 1, device=target_probs.device),
         )
     if use_triton(backend, target_probs.device):
-        from kernels.verification_triton import verify_triton
+        from outrider.kernels.verification_triton import verify_triton
 
         return verify_triton(trees, target_probs, is_greedy, randoms)
     if target_probs.device.type == "cpu" and bool(is_greedy.all()):

@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import next_power_of_2
-from kernels.packing import PackedTrees
-from kernels.verification import VerifyOutput, VerifyRandoms, _assemble
-from proto.tree import DraftSampling
+from outrider.kernels.backend import next_power_of_2
+from outrider.kernels.packing import PackedTrees
+from outrider.kernels.verification import VerifyOutput, VerifyRandoms, _assemble
+from outrider.proto.tree import DraftSampling
 
 
 @triton.jit

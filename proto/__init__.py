@@ -1,6 +1,6 @@
 """Outrider's draft <-> target contract: `outrider.proto`, its stubs, typed mirrors, validation.
 
-    outrider.proto          the wire contract (package outrider.v1); stubs: `python -m proto.generate`
+    outrider.proto          the wire contract (package outrider.v1); stubs: `python -m outrider.proto.generate`
     messages.py             target -> draft: SequenceUpdate and what it carries
     tree.py                 draft -> target: CandidateTree
     tensor.py               feature tensors as dtype + shape + bytes
@@ -11,8 +11,8 @@
 This package imports nothing else from the repository (DESIGN.md, "Layout").
 """
 
-from proto.errors import HandshakeMismatchError, InvalidDraftError
-from proto.handshake import (
+from outrider.proto.errors import HandshakeMismatchError, InvalidDraftError
+from outrider.proto.handshake import (
     PROTOCOL_VERSION,
     FeatureSpec,
     HandshakeRequest,
@@ -21,9 +21,17 @@ from proto.handshake import (
     check_handshake,
     vocab_fingerprint,
 )
-from proto.messages import DraftRequest, SamplingParams, SequenceUpdate, TreeBudget
-from proto.request_validation import check_request, validate_update
-from proto.tensor import (
+from outrider.proto.messages import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DEFAULT_Q_WIDTH,
+    DEFAULT_TREE_BUDGET,
+    DraftRequest,
+    SamplingParams,
+    SequenceUpdate,
+    TreeBudget,
+)
+from outrider.proto.request_validation import check_request, validate_update
+from outrider.proto.tensor import (
     FEATURE_DTYPES,
     decode_tensor,
     encode_tensor,
@@ -31,8 +39,8 @@ from proto.tensor import (
     projection_chunks,
     projection_sha256,
 )
-from proto.tree import CandidateTree, DraftResponse, DraftSampling
-from proto.validation import PROB_TOLERANCE, check_trees, receive_trees, validate_tree
+from outrider.proto.tree import CandidateTree, DraftResponse, DraftSampling
+from outrider.proto.validation import PROB_TOLERANCE, check_trees, receive_trees, validate_tree
 
 __all__ = [
     "FEATURE_DTYPES",
@@ -51,6 +59,9 @@ __all__ = [
     "SamplingParams",
     "SequenceUpdate",
     "TreeBudget",
+    "DEFAULT_NUM_SPECULATIVE_TOKENS",
+    "DEFAULT_Q_WIDTH",
+    "DEFAULT_TREE_BUDGET",
     "check_handshake",
     "check_request",
     "check_trees",

@@ -1,11 +1,11 @@
-"""Regenerate the committed stubs from `outrider.proto`: `python -m proto.generate`.
+"""Regenerate the committed stubs from `outrider.proto`: `python -m outrider.proto.generate`.
 
 The stubs are committed so a fresh install needs no protoc (grpcio-tools is a test extra);
 `tests/cpu/proto/test_stubs.py` fails when they drift from the `.proto`.
 
-protoc runs with the repository root as its include path, so the file is known as
-`proto/outrider.proto` and the gRPC stub imports `from proto import outrider_pb2`: the stubs
-work as part of this package, never as a top-level `outrider_pb2` module.
+protoc runs on a copy laid out as the installed package (`outrider/proto/outrider.proto`), so
+the file is known by that path and the gRPC stub imports `from outrider.proto import
+outrider_pb2`: the stubs work as part of this package, never as a top-level module.
 """
 
 from __future__ import annotations
@@ -13,12 +13,23 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_DIR.parent
 PROTO_FILE = PACKAGE_DIR / "outrider.proto"
 GENERATED_NAMES = ("outrider_pb2.py", "outrider_pb2.pyi", "outrider_pb2_grpc.py")
+
+
+@contextmanager
+def staged_proto() -> Iterator[tuple[Path, Path]]:
+    """(include dir, path of the .proto relative to it) for a copy laid out as installed."""
+    with tempfile.TemporaryDirectory() as include:
+        relative = Path("outrider", "proto", PROTO_FILE.name)
+        (Path(include) / relative).parent.mkdir(parents=True)
+        shutil.copyfile(PROTO_FILE, Path(include) / relative)
+        yield Path(include), relative
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -30,15 +41,15 @@ def generate(out_dir: Path) -> list[Path]:
     from grpc_tools import protoc
 
     well_known = Path(grpc_tools.__file__).resolve().parent / "_proto"
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, staged_proto() as (include, relative):
         args = [
             "grpc_tools.protoc",
-            f"--proto_path={REPO_ROOT}",
+            f"--proto_path={include}",
             f"--proto_path={well_known}",
             f"--python_out={scratch}",
             f"--pyi_out={scratch}",
             f"--grpc_python_out={scratch}",
-            str(PROTO_FILE.relative_to(REPO_ROOT)),
+            str(relative),
         ]
         # protoc resolves the relative proto path against the include path, not the cwd.
         if protoc.main(args) != 0:
@@ -47,14 +58,14 @@ def generate(out_dir: Path) -> list[Path]:
         written = []
         for name in GENERATED_NAMES:
             target = out_dir / name
-            shutil.copyfile(Path(scratch) / PACKAGE_DIR.name / name, target)
+            shutil.copyfile(Path(scratch) / relative.parent / name, target)
             written.append(target)
     return written
 
 
 def main() -> int:
     for path in generate(PACKAGE_DIR):
-        print(f"wrote {path.relative_to(REPO_ROOT)}")
+        print(f"wrote {path}")
     return 0
 
 

@@ -17,9 +17,9 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from proto import outrider_pb2 as pb
-from proto.errors import HandshakeMismatchError
-from proto.tensor import FEATURE_DTYPES
+from outrider.proto import outrider_pb2 as pb
+from outrider.proto.errors import HandshakeMismatchError
+from outrider.proto.tensor import FEATURE_DTYPES
 
 PROTOCOL_VERSION = pb.PROTOCOL_VERSION_1
 

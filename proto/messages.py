@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from proto import outrider_pb2 as pb
-from proto.tensor import decode_tensor, encode_tensor, repeated_to_tensor
+from outrider.proto import outrider_pb2 as pb
+from outrider.proto.tensor import decode_tensor, encode_tensor, repeated_to_tensor
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,15 @@ class TreeBudget:
             top_k=message.top_k,
             q_width=message.q_width,
         )
+
+
+# The one place for the tree-budget defaults: the engine's per-round ceiling, the serving
+# config's `tree_budget`, and K where a speculative config omits `num_speculative_tokens`.
+DEFAULT_Q_WIDTH = (
+    32  # entries per sampled q row (small family, T = 1: tau 1.25 at 1 entry, 1.88 at 16, 2.11 at 32)
+)
+DEFAULT_TREE_BUDGET = TreeBudget(max_nodes=32, max_depth=8, top_k=8, q_width=DEFAULT_Q_WIDTH)
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
 @dataclass

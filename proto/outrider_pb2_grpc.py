@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import outrider_pb2 as proto_dot_outrider__pb2
+from outrider.proto import outrider_pb2 as outrider_dot_proto_dot_outrider__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/outrider_pb2_grpc.py depends on'
+        + ' but the generated code in outrider/proto/outrider_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class DraftServiceStub:
         """
         self.Handshake = channel.unary_unary(
                 '/outrider.v1.DraftService/Handshake',
-                request_serializer=proto_dot_outrider__pb2.HandshakeRequest.SerializeToString,
-                response_deserializer=proto_dot_outrider__pb2.HandshakeResponse.FromString,
+                request_serializer=outrider_dot_proto_dot_outrider__pb2.HandshakeRequest.SerializeToString,
+                response_deserializer=outrider_dot_proto_dot_outrider__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
         self.Draft = channel.stream_stream(
                 '/outrider.v1.DraftService/Draft',
-                request_serializer=proto_dot_outrider__pb2.DraftRequest.SerializeToString,
-                response_deserializer=proto_dot_outrider__pb2.DraftResponse.FromString,
+                request_serializer=outrider_dot_proto_dot_outrider__pb2.DraftRequest.SerializeToString,
+                response_deserializer=outrider_dot_proto_dot_outrider__pb2.DraftResponse.FromString,
                 _registered_method=True)
         self.FeatureProjection = channel.unary_stream(
                 '/outrider.v1.DraftService/FeatureProjection',
-                request_serializer=proto_dot_outrider__pb2.FeatureProjectionRequest.SerializeToString,
-                response_deserializer=proto_dot_outrider__pb2.Tensor.FromString,
+                request_serializer=outrider_dot_proto_dot_outrider__pb2.FeatureProjectionRequest.SerializeToString,
+                response_deserializer=outrider_dot_proto_dot_outrider__pb2.Tensor.FromString,
                 _registered_method=True)
 
 
@@ -83,18 +83,18 @@ def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
-                    request_deserializer=proto_dot_outrider__pb2.HandshakeRequest.FromString,
-                    response_serializer=proto_dot_outrider__pb2.HandshakeResponse.SerializeToString,
+                    request_deserializer=outrider_dot_proto_dot_outrider__pb2.HandshakeRequest.FromString,
+                    response_serializer=outrider_dot_proto_dot_outrider__pb2.HandshakeResponse.SerializeToString,
             ),
             'Draft': grpc.stream_stream_rpc_method_handler(
                     servicer.Draft,
-                    request_deserializer=proto_dot_outrider__pb2.DraftRequest.FromString,
-                    response_serializer=proto_dot_outrider__pb2.DraftResponse.SerializeToString,
+                    request_deserializer=outrider_dot_proto_dot_outrider__pb2.DraftRequest.FromString,
+                    response_serializer=outrider_dot_proto_dot_outrider__pb2.DraftResponse.SerializeToString,
             ),
             'FeatureProjection': grpc.unary_stream_rpc_method_handler(
                     servicer.FeatureProjection,
-                    request_deserializer=proto_dot_outrider__pb2.FeatureProjectionRequest.FromString,
-                    response_serializer=proto_dot_outrider__pb2.Tensor.SerializeToString,
+                    request_deserializer=outrider_dot_proto_dot_outrider__pb2.FeatureProjectionRequest.FromString,
+                    response_serializer=outrider_dot_proto_dot_outrider__pb2.Tensor.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -122,8 +122,8 @@ class DraftService:
             request,
             target,
             '/outrider.v1.DraftService/Handshake',
-            proto_dot_outrider__pb2.HandshakeRequest.SerializeToString,
-            proto_dot_outrider__pb2.HandshakeResponse.FromString,
+            outrider_dot_proto_dot_outrider__pb2.HandshakeRequest.SerializeToString,
+            outrider_dot_proto_dot_outrider__pb2.HandshakeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -149,8 +149,8 @@ class DraftService:
             request_iterator,
             target,
             '/outrider.v1.DraftService/Draft',
-            proto_dot_outrider__pb2.DraftRequest.SerializeToString,
-            proto_dot_outrider__pb2.DraftResponse.FromString,
+            outrider_dot_proto_dot_outrider__pb2.DraftRequest.SerializeToString,
+            outrider_dot_proto_dot_outrider__pb2.DraftResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -176,8 +176,8 @@ class DraftService:
             request,
             target,
             '/outrider.v1.DraftService/FeatureProjection',
-            proto_dot_outrider__pb2.FeatureProjectionRequest.SerializeToString,
-            proto_dot_outrider__pb2.Tensor.FromString,
+            outrider_dot_proto_dot_outrider__pb2.FeatureProjectionRequest.SerializeToString,
+            outrider_dot_proto_dot_outrider__pb2.Tensor.FromString,
             options,
             channel_credentials,
             insecure,

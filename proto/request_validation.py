@@ -12,9 +12,9 @@ import math
 
 import torch
 
-from proto.errors import InvalidDraftError
-from proto.handshake import FeatureSpec, Limits
-from proto.messages import DraftRequest, SequenceUpdate
+from outrider.proto.errors import InvalidDraftError
+from outrider.proto.handshake import FeatureSpec, Limits
+from outrider.proto.messages import DraftRequest, SequenceUpdate
 
 
 def validate_update(

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from proto import outrider_pb2 as pb
-from proto.errors import InvalidDraftError
+from outrider.proto import outrider_pb2 as pb
+from outrider.proto.errors import InvalidDraftError
 
 # The only dtypes a feature tensor may have; the keys are the names used on the wire.
 FEATURE_DTYPES: dict[str, torch.dtype] = {

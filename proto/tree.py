@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from proto import outrider_pb2 as pb
-from proto.errors import InvalidDraftError
-from proto.tensor import repeated_to_tensor
+from outrider.proto import outrider_pb2 as pb
+from outrider.proto.errors import InvalidDraftError
+from outrider.proto.tensor import repeated_to_tensor
 
 
 class DraftSampling(enum.IntEnum):

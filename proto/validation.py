@@ -25,10 +25,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from proto import outrider_pb2 as pb
-from proto.errors import InvalidDraftError
-from proto.messages import TreeBudget
-from proto.tree import CandidateTree, DraftSampling, tree_label
+from outrider.proto import outrider_pb2 as pb
+from outrider.proto.errors import InvalidDraftError
+from outrider.proto.messages import TreeBudget
+from outrider.proto.tree import CandidateTree, DraftSampling, tree_label
 
 # A q row is the top-k of a float32 softmax, so its sum may pass 1 by rounding alone
 # (~1e-6); anything past 1e-3 is a drafter bug, not arithmetic.

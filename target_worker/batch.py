@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.tree_buffers import build_tree_buffers, tree_attention_mask
+from outrider.kernels.tree_buffers import build_tree_buffers, tree_attention_mask
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from proto import (
+from outrider.proto import (
     FEATURE_DTYPES,
     CandidateTree,
     FeatureSpec,
@@ -53,9 +53,9 @@ from proto import (
     receive_trees,
     vocab_fingerprint,
 )
-from proto import outrider_pb2 as pb
-from proto import outrider_pb2_grpc as pb_grpc
-from target_worker.draft_source import DraftSource, projected_update
+from outrider.proto import outrider_pb2 as pb
+from outrider.proto import outrider_pb2_grpc as pb_grpc
+from outrider.target_worker.draft_source import DraftSource, projected_update
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from proto import CandidateTree, FeatureSpec, SequenceUpdate
+from outrider.proto import CandidateTree, FeatureSpec, SequenceUpdate
 
 
 def project_features(features: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:

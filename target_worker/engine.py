@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import (
+from outrider.kernels import (
     SpecDecodeCounters,
     VerifyOutput,
     VerifyRandoms,
@@ -52,18 +52,24 @@ from kernels import (
     process_logits,
     verify,
 )
-from proto import CandidateTree, FeatureSpec, SequenceUpdate, TreeBudget, check_trees
-from target_worker.batch import HiddenCapture
-from target_worker.draft_source import DraftSource
-from target_worker.kv_cache import CacheFullError
-from target_worker.lanes import LaneTuner
-from target_worker.runner import ModelRunner
-from target_worker.scheduler import RoundPlan, plan_round, root_only_tree
-from target_worker.sequence import RequestOutput, RequestParams, Sequence
+from outrider.proto import (
+    DEFAULT_TREE_BUDGET,
+    CandidateTree,
+    FeatureSpec,
+    SequenceUpdate,
+    TreeBudget,
+    check_trees,
+)
+from outrider.target_worker.batch import HiddenCapture
+from outrider.target_worker.draft_source import DraftSource
+from outrider.target_worker.kv_cache import CacheFullError
+from outrider.target_worker.lanes import LaneTuner
+from outrider.target_worker.runner import ModelRunner
+from outrider.target_worker.scheduler import RoundPlan, plan_round, root_only_tree
+from outrider.target_worker.sequence import RequestOutput, RequestParams, Sequence
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TREE_BUDGET = TreeBudget(max_nodes=32, max_depth=8, top_k=8, q_width=32)
 _FINISHED_BUDGET = TreeBudget(max_nodes=1, max_depth=0, top_k=0)
 
 

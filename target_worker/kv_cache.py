@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_compaction import compact_kv
+from outrider.kernels.kv_compaction import compact_kv
 
 
 class CacheFullError(RuntimeError):

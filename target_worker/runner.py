@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from target_worker.batch import ForwardBatch, ForwardOutput
-from target_worker.kv_cache import KVCache
-from target_worker.layers.attention import plan_attention
-from target_worker.loader import CheckpointReader
-from target_worker.models import CausalLM, resolve_architecture
-from target_worker.parallel.group import TPGroup
+from outrider.target_worker.batch import ForwardBatch, ForwardOutput
+from outrider.target_worker.kv_cache import KVCache
+from outrider.target_worker.layers.attention import plan_attention
+from outrider.target_worker.loader import CheckpointReader
+from outrider.target_worker.models import CausalLM, resolve_architecture
+from outrider.target_worker.parallel.group import TPGroup
 
 
 class ModelRunner:

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import PackedTrees, pack_trees
-from proto import CandidateTree, DraftSampling
-from target_worker.batch import ForwardBatch, HiddenCapture, SequenceChunk, build_forward_batch
-from target_worker.sequence import Sequence
+from outrider.kernels import PackedTrees, pack_trees
+from outrider.proto import CandidateTree, DraftSampling
+from outrider.target_worker.batch import ForwardBatch, HiddenCapture, SequenceChunk, build_forward_batch
+from outrider.target_worker.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from proto import SamplingParams, TreeBudget
+from outrider.proto import SamplingParams, TreeBudget
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from draft_worker.training.data import DistillData
+    from outrider.draft_worker.training.data import DistillData
 
 
 @dataclass
@@ -69,11 +69,11 @@ _TRAINERS: dict[str, Trainer] = {}
 
 # Method -> module whose import registers its trainer; loaded when the method is asked for.
 _BUILTIN_MODULES = {
-    "eagle3": "draft_worker.training.eagle3",
-    "peagle": "draft_worker.training.peagle",
-    "draft_model": "draft_worker.training.draft_model",
-    "medusa": "draft_worker.training.medusa",
-    "mtp": "draft_worker.training.mtp",
+    "eagle3": "outrider.draft_worker.training.eagle3",
+    "peagle": "outrider.draft_worker.training.peagle",
+    "draft_model": "outrider.draft_worker.training.draft_model",
+    "medusa": "outrider.draft_worker.training.medusa",
+    "mtp": "outrider.draft_worker.training.mtp",
 }
 
 
@@ -128,7 +128,7 @@ def known_trainers() -> list[str]:
 
 def train_draft(args: TrainArgs) -> dict:
     """Build (or load the cached) self-distillation data and train `args.method`'s head."""
-    from draft_worker.training.data import load_distill_data
+    from outrider.draft_worker.training.data import load_distill_data
 
     trainer = get_trainer(args.method)
     data = load_distill_data(args, trainer.layers)

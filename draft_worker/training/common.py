@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 if TYPE_CHECKING:
-    from draft_worker.training import TrainArgs
+    from outrider.draft_worker.training import TrainArgs
 
 STATE_DIR = "train_state"
 

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 if TYPE_CHECKING:
-    from draft_worker.training import TrainArgs
+    from outrider.draft_worker.training import TrainArgs
 
 DATA_FORMAT = 1
 _FEATURE_SEQ = 1 << 40  # KV extent ids of the feature forwards, clear of the engine's own
@@ -111,7 +111,7 @@ def default_cache_dir() -> Path:
 
 def read_head_weight(target_dir: Path) -> torch.Tensor:
     """The target's lm_head [V, H] (its embedding when the two are tied), float32."""
-    from target_worker.loader import CheckpointReader
+    from outrider.target_worker.loader import CheckpointReader
 
     reader = CheckpointReader(target_dir)
     name = "lm_head.weight"
@@ -183,7 +183,7 @@ def corpus_prompts(tokenizer_dir: Path, count: int, length: int, seed: int) -> l
     """`count` windows of `length` tokens from random training-corpus files (never held-out ones)."""
     from tokenizers import Tokenizer
 
-    from cluster.demo.corpus import load_corpus
+    from outrider.demo.corpus import load_corpus
 
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     train_files, _ = load_corpus()
@@ -205,10 +205,10 @@ def generate(
     """Continuations from the engine, then features from teacher-forced forwards."""
     from tqdm import tqdm
 
-    from target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
-    from target_worker.engine import Engine
-    from target_worker.runner import ModelRunner
-    from target_worker.sequence import RequestParams
+    from outrider.target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
+    from outrider.target_worker.engine import Engine
+    from outrider.target_worker.runner import ModelRunner
+    from outrider.target_worker.sequence import RequestParams
 
     length = spec.prompt_tokens + spec.new_tokens
     batch = 32

@@ -2,7 +2,7 @@
 
     outrider train-draft --method draft_model --target DIR --out DIR --steps 400
 
-The loop is the demo family's own distillation (`cluster.demo.train.train_lm` with the target
+The loop is the demo family's own distillation (`demo.train.train_lm` with the target
 as teacher: KL(target || draft) over the full next-token distribution), run here on the
 self-distillation token stream (the target's continuations of corpus prompts) instead of the
 raw corpus. The result is an ordinary Hugging Face Llama folder (safetensors) with the
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from draft_worker.training import TrainArgs, register_trainer
-from draft_worker.training.data import DistillData
+from outrider.draft_worker.training import TrainArgs, register_trainer
+from outrider.draft_worker.training.data import DistillData
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -31,8 +31,8 @@ def train_draft_model(args: TrainArgs, data: DistillData) -> dict:
     # The demo family's training code, reused as-is (imported here: cluster sits above draft_worker).
     from transformers import AutoModelForCausalLM
 
-    from cluster.demo.recipe import ModelRecipe, TrainRecipe
-    from cluster.demo.train import new_model, train_lm
+    from outrider.demo.recipe import ModelRecipe, TrainRecipe
+    from outrider.demo.train import new_model, train_lm
 
     if args.resume:
         raise ValueError(

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from draft_worker.eagle_head import EagleHead, EagleHeadConfig, eagle3_layer_ids
-from draft_worker.training import TrainArgs, register_trainer
-from draft_worker.training.common import save_checkpoint, train_loop
-from draft_worker.training.data import DistillData
+from outrider.draft_worker.eagle_head import EagleHead, EagleHeadConfig, eagle3_layer_ids
+from outrider.draft_worker.training import TrainArgs, register_trainer
+from outrider.draft_worker.training.common import save_checkpoint, train_loop
+from outrider.draft_worker.training.data import DistillData
 
 STEP_DECAY = 0.8
 
@@ -58,7 +58,7 @@ def new_head(data: DistillData, options: dict, *, parallel: bool = False) -> Eag
         ptd_token_id=int(options["ptd_token_id"]) if parallel else None,
     )
     head = EagleHead(cfg)
-    from target_worker.loader import CheckpointReader
+    from outrider.target_worker.loader import CheckpointReader
 
     embed = CheckpointReader(options["target_dir"]).read("model.embed_tokens.weight", torch.float32)
     head.embed_tokens.weight.data.copy_(embed)

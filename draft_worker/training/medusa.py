@@ -45,10 +45,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from draft_worker.medusa import HEADS_FILE, MedusaHeads
-from draft_worker.training import TrainArgs, register_trainer
-from draft_worker.training.common import train_loop
-from draft_worker.training.data import DistillData
+from outrider.draft_worker.medusa import HEADS_FILE, MedusaHeads
+from outrider.draft_worker.training import TrainArgs, register_trainer
+from outrider.draft_worker.training.common import train_loop
+from outrider.draft_worker.training.data import DistillData
 
 HEAD_DECAY = 0.8  # weight of head k: 0.8^k
 ACCURACY_RANKS = 10

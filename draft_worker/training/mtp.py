@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draft_worker.training import TrainArgs, register_trainer
-from draft_worker.training.common import save_checkpoint, train_loop
-from draft_worker.training.data import DistillData
+from outrider.draft_worker.training import TrainArgs, register_trainer
+from outrider.draft_worker.training.common import save_checkpoint, train_loop
+from outrider.draft_worker.training.data import DistillData
 
 
 def decoder_layer(target_config: dict, layer: int) -> tuple[nn.Module, nn.Module]:
@@ -170,7 +170,7 @@ def mtp_checkpoint(out_dir: str | Path, head: MTPHead, tokenizer_dir: str | Path
 def train_mtp(args: TrainArgs, data: DistillData) -> dict:
     options = dict(args.method_options)
     torch.manual_seed(args.seed)
-    from target_worker.loader import CheckpointReader
+    from outrider.target_worker.loader import CheckpointReader
 
     reader = CheckpointReader(args.target_dir)
     embed = reader.read("model.embed_tokens.weight", torch.float32)

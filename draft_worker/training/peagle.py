@@ -23,10 +23,10 @@ import math
 
 import torch
 
-from draft_worker.training import TrainArgs, register_trainer
-from draft_worker.training.common import save_checkpoint, train_loop
-from draft_worker.training.data import DistillData
-from draft_worker.training.eagle3 import TargetProbs, eagle3_feature_layers, fused_inputs, new_head
+from outrider.draft_worker.training import TrainArgs, register_trainer
+from outrider.draft_worker.training.common import save_checkpoint, train_loop
+from outrider.draft_worker.training.data import DistillData
+from outrider.draft_worker.training.eagle3 import TargetProbs, eagle3_feature_layers, fused_inputs, new_head
 
 
 def cod_keep(depth: int) -> float:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from target_worker.batch import ForwardBatch
+from outrider.target_worker.batch import ForwardBatch
 
 
 @dataclass(frozen=True)

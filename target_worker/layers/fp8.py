@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from target_worker.loader import CheckpointError, CheckpointReader
+from outrider.target_worker.loader import CheckpointError, CheckpointReader
 
 SCALE_SUFFIX = "_scale_inv"
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from target_worker.loader import CheckpointReader
-from target_worker.parallel.group import TPGroup
+from outrider.target_worker.loader import CheckpointReader
+from outrider.target_worker.parallel.group import TPGroup
 
 
 class Linear:

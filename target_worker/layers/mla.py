@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from target_worker.layers.attention import SeqAttention
+from outrider.target_worker.layers.attention import SeqAttention
 
 
 def latent_attention(

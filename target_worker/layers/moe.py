@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from target_worker.layers.linear import Linear, read_column, read_row
-from target_worker.loader import CheckpointReader
-from target_worker.parallel.group import TPGroup
+from outrider.target_worker.layers.linear import Linear, read_column, read_row
+from outrider.target_worker.loader import CheckpointReader
+from outrider.target_worker.parallel.group import TPGroup
 
 
 @dataclass(frozen=True)

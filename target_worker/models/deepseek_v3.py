@@ -43,24 +43,24 @@ from typing import Any
 
 import torch
 
-from target_worker.batch import ForwardBatch, ForwardOutput
-from target_worker.kv_cache import KVSpec
-from target_worker.layers.attention import SeqAttention
-from target_worker.layers.fp8 import maybe_fp8
-from target_worker.layers.linear import (
+from outrider.target_worker.batch import ForwardBatch, ForwardOutput
+from outrider.target_worker.kv_cache import KVSpec
+from outrider.target_worker.layers.attention import SeqAttention
+from outrider.target_worker.layers.fp8 import maybe_fp8
+from outrider.target_worker.layers.linear import (
     Linear,
     VocabParallelEmbedding,
     VocabParallelHead,
     read_column,
     read_row,
 )
-from target_worker.layers.mla import latent_attention
-from target_worker.layers.moe import MoE, Routing, SwiGLU
-from target_worker.layers.norm import RMSNorm, fold_norm, rms_scale
-from target_worker.layers.rope import RotaryEmbedding, interleave_rotary_rows, rope_parameters_of
-from target_worker.loader import CheckpointError, CheckpointReader
-from target_worker.models.registry import register_architecture
-from target_worker.parallel.group import TPGroup
+from outrider.target_worker.layers.mla import latent_attention
+from outrider.target_worker.layers.moe import MoE, Routing, SwiGLU
+from outrider.target_worker.layers.norm import RMSNorm, fold_norm, rms_scale
+from outrider.target_worker.layers.rope import RotaryEmbedding, interleave_rotary_rows, rope_parameters_of
+from outrider.target_worker.loader import CheckpointError, CheckpointReader
+from outrider.target_worker.models.registry import register_architecture
+from outrider.target_worker.parallel.group import TPGroup
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 

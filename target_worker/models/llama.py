@@ -20,21 +20,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from target_worker.batch import ForwardBatch, ForwardOutput
-from target_worker.kv_cache import KVSpec
-from target_worker.layers.attention import SeqAttention, ragged_attention
-from target_worker.layers.linear import (
+from outrider.target_worker.batch import ForwardBatch, ForwardOutput
+from outrider.target_worker.kv_cache import KVSpec
+from outrider.target_worker.layers.attention import SeqAttention, ragged_attention
+from outrider.target_worker.layers.linear import (
     Linear,
     VocabParallelEmbedding,
     VocabParallelHead,
     read_column,
     read_row,
 )
-from target_worker.layers.norm import RMSNorm, fold_norm, rms_scale
-from target_worker.layers.rope import RotaryEmbedding, interleave_rotary_rows, rope_parameters_of
-from target_worker.loader import CheckpointError, CheckpointReader
-from target_worker.models.registry import register_architecture
-from target_worker.parallel.group import TPGroup
+from outrider.target_worker.layers.norm import RMSNorm, fold_norm, rms_scale
+from outrider.target_worker.layers.rope import RotaryEmbedding, interleave_rotary_rows, rope_parameters_of
+from outrider.target_worker.loader import CheckpointError, CheckpointReader
+from outrider.target_worker.models.registry import register_architecture
+from outrider.target_worker.parallel.group import TPGroup
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from typing import Protocol
 
 import torch
 
-from target_worker.batch import ForwardBatch, ForwardOutput
-from target_worker.kv_cache import KVSpec
-from target_worker.layers.attention import SeqAttention
-from target_worker.loader import CheckpointError, CheckpointReader
-from target_worker.parallel.group import TPGroup
+from outrider.target_worker.batch import ForwardBatch, ForwardOutput
+from outrider.target_worker.kv_cache import KVSpec
+from outrider.target_worker.layers.attention import SeqAttention
+from outrider.target_worker.loader import CheckpointError, CheckpointReader
+from outrider.target_worker.parallel.group import TPGroup
 
 
 class UnsupportedArchitectureError(CheckpointError):

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from target_worker.batch import ForwardBatch, ForwardOutput, HiddenCapture
-from target_worker.parallel.group import TPGroup
+from outrider.target_worker.batch import ForwardBatch, ForwardOutput, HiddenCapture
+from outrider.target_worker.parallel.group import TPGroup
 
 FORWARD, ALLOCATE, FREE, COMMIT, STOP = range(1, 6)
 HEADER = 8

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from target_worker.parallel.group import TPGroup
+from outrider.target_worker.parallel.group import TPGroup
 
 
 def default_backend() -> str:

@@ -7,14 +7,16 @@ by every test that needs a real model (never built per test).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
-from cluster.import_guard import check_import_names
-
-# Fail the whole run at once, with the reason, if an unrelated `proto`/`kernels` shadows ours.
-check_import_names()
+# Each folder's `*_testlib.py` helpers import by their (unique) module name from any test
+# folder; appended, so nothing here shadows an installed package.
+for _folder in sorted(Path(__file__).parent.iterdir()):
+    if _folder.is_dir() and not _folder.name.startswith((".", "_")) and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +34,7 @@ def outrider_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_family(outrider_home: Path):
     """The tiny demo family (tokenizer, target, draft), built once for the session."""
-    from cluster.demo.family import ensure_demo_family
+    from outrider.demo.family import ensure_demo_family
 
     return ensure_demo_family("tiny", home=outrider_home, progress=False, log=lambda _: None)
 

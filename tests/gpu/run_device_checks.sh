@@ -40,6 +40,6 @@ if [ "${MICROBENCH:-1}" = 1 ]; then
     step 100 python3 benchmarks/verify_microbench.py --full --repeats 5
     cp benchmarks/results/verify_microbench_cuda.* "$OUT"/ 2>/dev/null
 fi
-step 150 python3 -m benchmarks.gpu_verify_cost --layers "${LAYERS:-4}" --context "${CONTEXT:-512}"
+step 150 python3 -m outrider.benchmarks.gpu_verify_cost --layers "${LAYERS:-4}" --context "${CONTEXT:-512}"
 cp benchmarks/results/gpu_verify_cost.* "$OUT"/ 2>/dev/null
 exit $status

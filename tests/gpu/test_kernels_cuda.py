@@ -40,6 +40,6 @@ def triton_backend() -> str:
 
 
 def test_auto_backend_picks_triton_on_cuda() -> None:
-    from kernels.backend import use_triton
+    from outrider.kernels.backend import use_triton
 
     assert use_triton(None, torch.device("cuda"))

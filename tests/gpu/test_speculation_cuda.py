@@ -27,9 +27,9 @@ NEW_TOKENS = 32
 def setup():
     from transformers import AutoTokenizer
 
-    from benchmarks.prompts import load_prompts
-    from cluster.demo.family import ensure_demo_family
-    from target_worker.runner import ModelRunner
+    from outrider.benchmarks.prompts import load_prompts
+    from outrider.demo.family import ensure_demo_family
+    from outrider.target_worker.runner import ModelRunner
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -43,9 +43,9 @@ def setup():
 
 
 def _generate(runner, prompts, source):
-    from proto import TreeBudget
-    from target_worker.engine import Engine
-    from target_worker.sequence import RequestParams
+    from outrider.proto import TreeBudget
+    from outrider.target_worker.engine import Engine
+    from outrider.target_worker.sequence import RequestParams
 
     engine = Engine(runner, source, eos_token_id=None, max_batch=4, tree_budget=TreeBudget(16, 5, 4))
     completions = engine.generate(prompts, RequestParams(max_tokens=NEW_TOKENS, ignore_eos=True))
@@ -54,9 +54,9 @@ def _generate(runner, prompts, source):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_speculation_equals_plain_on_cuda(setup, method):
-    from cluster.demo.heads import ensure_demo_heads, head_methods
-    from draft_worker import build_proposer
-    from target_worker.draft_source import InProcessDraftSource
+    from outrider.demo.heads import ensure_demo_heads, head_methods
+    from outrider.draft_worker import build_proposer
+    from outrider.target_worker.draft_source import InProcessDraftSource
 
     family, prompts, runner = setup
     config = {"method": method, "num_speculative_tokens": 4}

@@ -11,9 +11,9 @@ import jsonschema
 import pytest
 import torch
 
-from benchmarks.bench import add_bench_arguments, method_table, resolve_defaults, resolve_models
-from benchmarks.bench_schema import SCHEMA
-from cluster import cli
+from outrider.benchmarks.bench import add_bench_arguments, method_table, resolve_defaults, resolve_models
+from outrider.benchmarks.bench_schema import SCHEMA
+from outrider.cluster import cli
 
 METHODS = ["draft_model", "eagle3", "medusa", "mtp", "ngram", "peagle", "suffix"]
 
@@ -37,7 +37,7 @@ def _refuse_constant(name):
 @pytest.fixture
 def quick_heads(monkeypatch):
     """Tiny heads trained for a few steps: the bench's paths are under test here, not head quality."""
-    from cluster.demo import heads
+    from outrider.demo import heads
 
     for method in heads.head_methods():
         recipe = dataclasses.replace(heads.head_recipe("tiny", method), steps=4)
@@ -45,7 +45,7 @@ def quick_heads(monkeypatch):
 
 
 def test_bench_quick_json(tiny_family, quick_heads, tmp_path, capsys):
-    from draft_worker import known_methods
+    from outrider.draft_worker import known_methods
 
     out = tmp_path / "out.json"
     threads = torch.get_num_threads()

@@ -19,7 +19,7 @@ def keep_torch_threads():
 
 
 def test_bench_disagg_runs_every_mode_and_reports_it(tiny_family, tmp_path, keep_torch_threads):
-    from benchmarks import bench_disagg
+    from outrider.benchmarks import bench_disagg
 
     argv = ["--size", "tiny", "--max-tokens", "8", "--repeats", "1", "--batches", "1,2"]
     argv += ["--methods", "ngram", "--iterations", "5", "--no-pin", "--results-dir", str(tmp_path)]

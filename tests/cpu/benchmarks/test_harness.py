@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from benchmarks.prompts import load_prompts
-from benchmarks.report import DecodeRow, write_report
-from cluster.demo.corpus import is_held_out
+from outrider.benchmarks.prompts import load_prompts
+from outrider.benchmarks.report import DecodeRow, write_report
+from outrider.demo.corpus import is_held_out
 
 
 @pytest.mark.parametrize("name", ["start", "mid"])

@@ -38,7 +38,7 @@ def local_serve(num_cpus: int = 2):
 def deploy(name: str, args: dict, family) -> None:
     from ray import serve
 
-    from cluster.app import build_app
+    from outrider.cluster.app import build_app
 
     merged = {"demo": "tiny", "engine": {"num_threads": 1}, **NO_CPUS, **args}
     serve.run(build_app(merged), name=name, route_prefix=f"/{name}")

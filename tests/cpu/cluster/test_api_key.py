@@ -13,8 +13,8 @@ import urllib.request
 
 import pytest
 
-from cluster.ingress import check_api_key, read_api_key
-from cluster.openai_api import ApiError
+from outrider.cluster.ingress import check_api_key, read_api_key
+from outrider.cluster.openai_api import ApiError
 
 KEY = "sk-outrider-test-4f1c"
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from target_worker.batch import SequenceChunk, build_forward_batch
-from target_worker.parallel import TPGroup, launch
-from target_worker.parallel.batch_broadcast import BatchBroadcaster, LeaderRunner, follow
-from target_worker.runner import ModelRunner
+from outrider.target_worker.batch import SequenceChunk, build_forward_batch
+from outrider.target_worker.parallel import TPGroup, launch
+from outrider.target_worker.parallel.batch_broadcast import BatchBroadcaster, LeaderRunner, follow
+from outrider.target_worker.runner import ModelRunner
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8]]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.gpu_pools import (
+from outrider.cluster.gpu_pools import (
     DRAFT_RESOURCE,
     TARGET_RESOURCE,
     GpuInfo,
@@ -58,9 +58,9 @@ def test_real_probe_on_this_machine_does_not_raise():
 def test_the_cluster_declared_pools_win_over_the_building_node(monkeypatch):
     """Under KubeRay the app may be built on a GPU-less head: pools come from what the worker
     groups declared (`rayStartParams.resources`), not from the building node's NVML."""
-    import cluster.placement as placement
-    from cluster.config import OutriderArgs
-    from cluster.gpu_pools import DRAFT_RESOURCE, TARGET_RESOURCE
+    import outrider.cluster.placement as placement
+    from outrider.cluster.config import OutriderArgs
+    from outrider.cluster.gpu_pools import DRAFT_RESOURCE, TARGET_RESOURCE
 
     monkeypatch.setattr(placement, "gpu_inventory", lambda: [])  # the head sees no GPU
     args = OutriderArgs()

@@ -23,12 +23,12 @@ def base_url(tiny_family):
 
 def _plain_greedy(family, prompt: str, max_tokens: int) -> str:
     """The reference: the engine in this process, no speculation, no Serve."""
-    from cluster.config import OutriderArgs
-    from cluster.served_model import resolve_model
-    from cluster.text import load_tokenizer
-    from target_worker.engine import Engine
-    from target_worker.runner import ModelRunner
-    from target_worker.sequence import RequestParams
+    from outrider.cluster.config import OutriderArgs
+    from outrider.cluster.served_model import resolve_model
+    from outrider.cluster.text import load_tokenizer
+    from outrider.target_worker.engine import Engine
+    from outrider.target_worker.runner import ModelRunner
+    from outrider.target_worker.sequence import RequestParams
 
     model = resolve_model(OutriderArgs(demo="tiny"))
     tokenizer = load_tokenizer(model.tokenizer_dir)

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import OutriderArgs, load_args
-from cluster.engine_loop import EngineLoop, EngineOverloaded
-from cluster.metrics import Metrics
-from cluster.placement import DraftLoadPolicy, draft_options, target_options
-from cluster.serve_cli import add_serve_parser, args_from_cli
-from cluster.text import Detokenizer
+from outrider.cluster.config import OutriderArgs, load_args
+from outrider.cluster.engine_loop import EngineLoop, EngineOverloaded
+from outrider.cluster.metrics import Metrics
+from outrider.cluster.placement import DraftLoadPolicy, draft_options, target_options
+from outrider.cluster.serve_cli import add_serve_parser, args_from_cli
+from outrider.cluster.text import Detokenizer
 
 
 def test_config_validates_at_the_edge():
@@ -51,7 +51,7 @@ def test_every_config_field_has_a_description():
 
 
 def test_deployment_options_without_gpus():
-    from cluster.gpu_pools import PoolAssignment
+    from outrider.cluster.gpu_pools import PoolAssignment
 
     none = PoolAssignment(draft=(), target=())
     args = load_args({"tensor_parallel_size": 2, "target": {"num_cpus": 1}, "engine": {"max_num_seqs": 4}})
@@ -60,7 +60,10 @@ def test_deployment_options_without_gpus():
     assert options["placement_group_strategy"] == "PACK"  # one node when it fits; may span nodes
     assert options["max_queued_requests"] == args.engine.max_queued_requests
     draft = draft_options(load_args({"draft_pool": {"autoscaling": {"max_replicas": 3}}}), none)
-    assert draft["autoscaling_config"]["policy"]["policy_function"] == "cluster.placement:DraftLoadPolicy"
+    assert (
+        draft["autoscaling_config"]["policy"]["policy_function"]
+        == "outrider.cluster.placement:DraftLoadPolicy"
+    )
     assert draft["ray_actor_options"]["num_gpus"] == 0
 
 
@@ -190,7 +193,7 @@ def test_serve_cli_flags_over_yaml(tmp_path):
 
     yaml_file = tmp_path / "serve.yaml"
     yaml_file.write_text(
-        "applications:\n  - import_path: cluster.app:build_app\n    args: {demo: tiny, tensor_parallel_size: 2}\n"
+        "applications:\n  - import_path: outrider.cluster.app:build_app\n    args: {demo: tiny, tensor_parallel_size: 2}\n"
     )
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from draft_worker import Frontier, Proposer, build_trees, draft_generator, register_proposer
-from proto import CandidateTree, SamplingParams, SequenceUpdate, TreeBudget, check_trees
+from outrider.draft_worker import Frontier, Proposer, build_trees, draft_generator, register_proposer
+from outrider.proto import CandidateTree, SamplingParams, SequenceUpdate, TreeBudget, check_trees
 
 VOCAB = 12
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 from draft_testlib import assert_valid, depths
 
-import draft_worker.draft_model  # noqa: F401 - registers `draft_model`
-from draft_worker import build_proposer
-from draft_worker.draft_model import DraftModelProposer, draft_vocabulary
-from kernels import process_logits
-from proto import CandidateTree, SamplingParams, SequenceUpdate, TreeBudget
-from target_worker.batch import SequenceChunk, build_forward_batch
-from target_worker.runner import ModelRunner
+import outrider.draft_worker.draft_model  # noqa: F401 - registers `draft_model`
+from outrider.draft_worker import build_proposer
+from outrider.draft_worker.draft_model import DraftModelProposer, draft_vocabulary
+from outrider.kernels import process_logits
+from outrider.proto import CandidateTree, SamplingParams, SequenceUpdate, TreeBudget
+from outrider.target_worker.batch import SequenceChunk, build_forward_batch
+from outrider.target_worker.runner import ModelRunner
 
 CHAIN = {"num_speculative_tokens": 4}
 TREE = {"num_speculative_tokens": 4, "tree_top_k": 3, "tree_max_nodes": 10}
@@ -198,7 +198,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(draft_dir):
 
 def make_budget() -> TreeBudget:
     """TREE's own budget (q rows of the default 16 entries), handed over explicitly."""
-    from draft_worker.config import DEFAULT_Q_WIDTH
+    from outrider.proto import DEFAULT_Q_WIDTH
 
     return TreeBudget(max_nodes=10, max_depth=4, top_k=3, q_width=DEFAULT_Q_WIDTH)
 
@@ -224,7 +224,7 @@ def test_speculation_takes_no_rows_and_leaks_none_over_many_rounds(draft_dir, se
     cache on: a miss drafts as if nothing was speculated, and once every sequence finishes
     every KV row is free again. Forks draft batched in scratch extents, or, in a cache with
     room for the four sequences only, one at a time in their sequence's extent."""
-    from draft_worker.spec_cache import SpecCache, SpecCacheConfig, supports_speculation
+    from outrider.draft_worker.spec_cache import SpecCache, SpecCacheConfig, supports_speculation
 
     rows_for_four = {"kv_cache_rows": 4 * (128 + 3 * 3)} if serial else {}
     proposer, plain = make(draft_dir, TREE, **rows_for_four), make(draft_dir, TREE)
@@ -286,7 +286,7 @@ def test_a_fork_past_max_model_len_or_without_an_extent_leaves_the_sequence_alon
 def test_outcome_rows_name_the_runner_up_and_the_q_after_the_last_draft(draft_dir, reference):
     """With `outcome_rows` (the speculation cache sets it) a greedy chain's q rows are the draft's
     top 2 at every node, the leaf included, so the cache ranks outcomes without probing."""
-    from draft_worker.spec_cache import SpecCache, SpecCacheConfig
+    from outrider.draft_worker.spec_cache import SpecCache, SpecCacheConfig
 
     proposer = make(draft_dir, CHAIN)
     cache = SpecCache(proposer, SpecCacheConfig(max_outcomes=4))

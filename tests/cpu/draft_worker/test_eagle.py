@@ -1,5 +1,5 @@
 """eagle3 and peagle on the tiny demo family: heads trained by `outrider demo build`'s own code
-(`cluster.demo.heads`), served in-process and over gRPC, sampled losslessly, trained
+(`demo.heads`), served in-process and over gRPC, sampled losslessly, trained
 (loss falls, a trained head beats an untrained one on tau, resume replays the same steps),
 and published EAGLE-3 layouts (d2t/t2d, no embed_tokens) load while pickle files are refused.
 """
@@ -13,24 +13,24 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draft_worker import build_proposer
-from draft_worker.eagle_head import CheckpointFormatError, EagleHeadConfig
-from draft_worker.server import DraftIdentity, serve
-from draft_worker.server_cli import build_server_proposer
-from draft_worker.training import TrainArgs, train_draft
-from kernels import process_logits
-from proto import Limits, SamplingParams, SequenceUpdate, TreeBudget
-from target_worker.batch import SequenceChunk, build_forward_batch
-from target_worker.draft_client import (
+from outrider.draft_worker import build_proposer
+from outrider.draft_worker.eagle_head import CheckpointFormatError, EagleHeadConfig
+from outrider.draft_worker.server import DraftIdentity, serve
+from outrider.draft_worker.server_cli import build_server_proposer
+from outrider.draft_worker.training import TrainArgs, train_draft
+from outrider.kernels import process_logits
+from outrider.proto import Limits, SamplingParams, SequenceUpdate, TreeBudget
+from outrider.target_worker.batch import SequenceChunk, build_forward_batch
+from outrider.target_worker.draft_client import (
     DraftClientConfig,
     RemoteDraftSource,
     target_handshake,
     tokenizer_fingerprint,
 )
-from target_worker.draft_source import InProcessDraftSource
-from target_worker.engine import Engine
-from target_worker.runner import ModelRunner
-from target_worker.sequence import RequestParams
+from outrider.target_worker.draft_source import InProcessDraftSource
+from outrider.target_worker.engine import Engine
+from outrider.target_worker.runner import ModelRunner
+from outrider.target_worker.sequence import RequestParams
 
 PROMPT_TOKENS, NEW_TOKENS = 48, 40
 DATA = {"num_sequences": 48, "prompt_tokens": 32, "new_tokens": 64}  # the tiny head recipe's data (cached)
@@ -38,7 +38,7 @@ DATA = {"num_sequences": 48, "prompt_tokens": 32, "new_tokens": 64}  # the tiny 
 
 @pytest.fixture(scope="module")
 def heads(tiny_family):
-    from cluster.demo.heads import ensure_demo_heads
+    from outrider.demo.heads import ensure_demo_heads
 
     return ensure_demo_heads(tiny_family, ["eagle3", "peagle"], progress=False, log=lambda _: None)
 
@@ -47,7 +47,7 @@ def heads(tiny_family):
 def prompts(tiny_family):
     from transformers import AutoTokenizer
 
-    from benchmarks.prompts import load_prompts
+    from outrider.benchmarks.prompts import load_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_family.tokenizer_dir)
     return [p.token_ids for p in load_prompts("mid", tokenizer, count=4, prompt_tokens=PROMPT_TOKENS)]

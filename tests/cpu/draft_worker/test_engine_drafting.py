@@ -11,15 +11,15 @@ import math
 import pytest
 import torch
 
-import draft_worker.draft_model  # noqa: F401 - registers `draft_model`
-from benchmarks.prompts import load_prompts
-from draft_worker import build_proposer
-from kernels import process_logits
-from target_worker.batch import SequenceChunk, build_forward_batch
-from target_worker.draft_source import InProcessDraftSource
-from target_worker.engine import Engine
-from target_worker.runner import ModelRunner
-from target_worker.sequence import RequestParams
+import outrider.draft_worker.draft_model  # noqa: F401 - registers `draft_model`
+from outrider.benchmarks.prompts import load_prompts
+from outrider.draft_worker import build_proposer
+from outrider.kernels import process_logits
+from outrider.target_worker.batch import SequenceChunk, build_forward_batch
+from outrider.target_worker.draft_source import InProcessDraftSource
+from outrider.target_worker.engine import Engine
+from outrider.target_worker.runner import ModelRunner
+from outrider.target_worker.sequence import RequestParams
 
 PROMPT_TOKENS, NEW_TOKENS = 48, 40  # the tiny family's context is 128
 

@@ -16,16 +16,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draft_worker import build_proposer
-from draft_worker.medusa import HEADS_FILE, StaticTree, best_choices, load_medusa_heads
-from kernels import draw_verify_randoms, pack_trees, process_logits, verify
-from proto import DraftSampling, SamplingParams, SequenceUpdate, TreeBudget, check_trees
-from target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
-from target_worker.draft_source import InProcessDraftSource
-from target_worker.engine import Engine
-from target_worker.loader import CheckpointError
-from target_worker.runner import ModelRunner
-from target_worker.sequence import RequestParams
+from outrider.draft_worker import build_proposer
+from outrider.draft_worker.medusa import HEADS_FILE, StaticTree, best_choices, load_medusa_heads
+from outrider.kernels import draw_verify_randoms, pack_trees, process_logits, verify
+from outrider.proto import DraftSampling, SamplingParams, SequenceUpdate, TreeBudget, check_trees
+from outrider.target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
+from outrider.target_worker.draft_source import InProcessDraftSource
+from outrider.target_worker.engine import Engine
+from outrider.target_worker.loader import CheckpointError
+from outrider.target_worker.runner import ModelRunner
+from outrider.target_worker.sequence import RequestParams
 
 CHOICES = [(0,), (1,), (0, 0), (2,), (0, 1), (1, 0), (0, 0, 0)]
 
@@ -345,7 +345,7 @@ PROMPT_TOKENS, NEW_TOKENS = 48, 32
 def family(tiny_family, tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from benchmarks.prompts import load_prompts
+    from outrider.benchmarks.prompts import load_prompts
 
     config = json.loads((tiny_family.target_dir / "config.json").read_text())
     heads = random_heads(3, config["hidden_size"], config["vocab_size"], seed=6, scale=2.0)
@@ -434,9 +434,9 @@ def test_greedy_output_equals_speculation_off(family, shape):
 
 
 def test_greedy_through_the_draft_server_equals_plain(family):
-    from draft_worker.server import DraftIdentity, serve
-    from proto import Limits
-    from target_worker.draft_client import (
+    from outrider.draft_worker.server import DraftIdentity, serve
+    from outrider.proto import Limits
+    from outrider.target_worker.draft_client import (
         DraftClientConfig,
         RemoteDraftSource,
         target_handshake,

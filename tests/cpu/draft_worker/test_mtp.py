@@ -16,19 +16,19 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from deepseek_testlib import save_random_deepseek
 from safetensors.torch import load_file
 
-from draft_worker import build_proposer
-from kernels import draw_verify_randoms, pack_trees, process_logits, verify
-from proto import DraftSampling, FeatureSpec, SamplingParams, SequenceUpdate, TreeBudget, check_trees
-from target_worker.batch import SequenceChunk, build_forward_batch
-from target_worker.draft_source import InProcessDraftSource
-from target_worker.engine import Engine
-from target_worker.kv_cache import KVCache
-from target_worker.layers.attention import plan_attention
-from target_worker.runner import ModelRunner
-from target_worker.sequence import RequestParams
-from tests.cpu.target_worker.deepseek_testlib import save_random_deepseek
+from outrider.draft_worker import build_proposer
+from outrider.kernels import draw_verify_randoms, pack_trees, process_logits, verify
+from outrider.proto import DraftSampling, FeatureSpec, SamplingParams, SequenceUpdate, TreeBudget, check_trees
+from outrider.target_worker.batch import SequenceChunk, build_forward_batch
+from outrider.target_worker.draft_source import InProcessDraftSource
+from outrider.target_worker.engine import Engine
+from outrider.target_worker.kv_cache import KVCache
+from outrider.target_worker.layers.attention import plan_attention
+from outrider.target_worker.runner import ModelRunner
+from outrider.target_worker.sequence import RequestParams
 
 VOCAB, LAYERS = 97, 3
 
@@ -300,10 +300,11 @@ def head_state(folder, layer: int) -> dict[str, torch.Tensor]:
 def test_trained_demo_style_head_on_a_llama_target(tmp_path):
     """The trainer's head for a frozen Llama target: loss falls, the saved folder (MTP names
     only, no target weights) loads into `mtp` with the same logits, and drafting is lossless."""
-    from draft_worker.training import TrainArgs
-    from draft_worker.training.data import DistillData
-    from draft_worker.training.mtp import MTPHead, mtp_inputs, train_mtp
-    from tests.cpu.target_worker.target_runner_testlib import save_random_checkpoint
+    from target_runner_testlib import save_random_checkpoint
+
+    from outrider.draft_worker.training import TrainArgs
+    from outrider.draft_worker.training.data import DistillData
+    from outrider.draft_worker.training.mtp import MTPHead, mtp_inputs, train_mtp
 
     target, out = tmp_path / "llama", tmp_path / "mtp"
     model = save_random_checkpoint(target, "llama")
@@ -351,15 +352,16 @@ def test_trees_through_the_grpc_draft_server_on_the_demo_head(tiny_family):
     """The tiny family's trained MTP head behind a real draft server: the client expects its
     FeatureSpec, so the engine captures the target's final hidden states and sends them with
     each delta; greedy trees through the wire == plain, and the head's drafts are accepted."""
-    from cluster.demo.heads import demo_head_dir
-    from draft_worker.server_cli import build_server_proposer
-    from tests.cpu.target_worker.draft_client_testlib import (
+    from draft_client_testlib import (
         client,
         encode_prompts,
         generate,
         load_runner,
         start_server,
     )
+
+    from outrider.demo.heads import demo_head_dir
+    from outrider.draft_worker.server_cli import build_server_proposer
 
     head = demo_head_dir(tiny_family, "mtp", progress=False, log=lambda _: None)
     options = {"num_speculative_tokens": 4, **TREE_KEYS}

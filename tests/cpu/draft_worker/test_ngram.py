@@ -4,9 +4,9 @@ import pytest
 import torch
 from draft_testlib import VOCAB, assert_valid, mixed_updates
 
-from draft_worker import build_proposer
-from draft_worker.suffix_tree import SuffixTrie
-from proto import DraftSampling, SamplingParams, SequenceUpdate, TreeBudget
+from outrider.draft_worker import build_proposer
+from outrider.draft_worker.suffix_tree import SuffixTrie
+from outrider.proto import DraftSampling, SamplingParams, SequenceUpdate, TreeBudget
 
 CHAIN = TreeBudget(max_nodes=9, max_depth=8, top_k=1)
 

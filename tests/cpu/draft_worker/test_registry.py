@@ -4,10 +4,10 @@ import pytest
 import torch
 from draft_testlib import VOCAB
 
-from draft_worker import Proposer, build_proposer, known_methods, register_proposer
-from draft_worker.ngram import NgramProposer
-from draft_worker.suffix_tree import SuffixProposer
-from proto import DraftSampling, FeatureSpec, SamplingParams, SequenceUpdate, TreeBudget
+from outrider.draft_worker import Proposer, build_proposer, known_methods, register_proposer
+from outrider.draft_worker.ngram import NgramProposer
+from outrider.draft_worker.suffix_tree import SuffixProposer
+from outrider.proto import DraftSampling, FeatureSpec, SamplingParams, SequenceUpdate, TreeBudget
 
 
 def test_builds_registered_methods_from_vllm_dicts():

@@ -16,9 +16,9 @@ import grpc
 import pytest
 import torch
 
-from draft_worker import build_proposer
-from draft_worker.server import DRAFT_SERVICE, DraftIdentity, serve
-from proto import (
+from outrider.draft_worker import build_proposer
+from outrider.draft_worker.server import DRAFT_SERVICE, DraftIdentity, serve
+from outrider.proto import (
     CandidateTree,
     HandshakeRequest,
     Limits,
@@ -26,8 +26,8 @@ from proto import (
     SequenceUpdate,
     TreeBudget,
 )
-from proto import outrider_pb2 as pb
-from proto import outrider_pb2_grpc as pb_grpc
+from outrider.proto import outrider_pb2 as pb
+from outrider.proto import outrider_pb2_grpc as pb_grpc
 
 VOCAB = 50
 IDENTITY = DraftIdentity("ngram-test", VOCAB, "fingerprint")

@@ -19,10 +19,10 @@ from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 from cryptography.x509.oid import NameOID  # noqa: E402
 
-from draft_worker import build_proposer  # noqa: E402
-from draft_worker.server import DraftIdentity, ServerTls, serve  # noqa: E402
-from proto import HandshakeRequest, Limits  # noqa: E402
-from target_worker.draft_client import ClientTls, DraftClientConfig, RemoteDraftSource  # noqa: E402
+from outrider.draft_worker import build_proposer  # noqa: E402
+from outrider.draft_worker.server import DraftIdentity, ServerTls, serve  # noqa: E402
+from outrider.proto import HandshakeRequest, Limits  # noqa: E402
+from outrider.target_worker.draft_client import ClientTls, DraftClientConfig, RemoteDraftSource  # noqa: E402
 
 VOCAB = 50
 HANDSHAKE = HandshakeRequest("target", VOCAB, "fp", 4, 64, Limits(64, 16, 8, 4))
@@ -95,7 +95,7 @@ def test_tls(pki, mutual):
 def test_the_draft_pool_config_secures_both_sides_from_files(pki, tmp_path):
     """`draft_pool` token and TLS files (mounted Secrets under Kubernetes) give the draft
     deployment's servers and the targets' clients matching settings: mutual TLS + token."""
-    from cluster.config import DraftPoolArgs
+    from outrider.cluster.config import DraftPoolArgs
 
     files = {"ca": pki["ca"], "cert": pki["server_cert"], "key": pki["server_key"], "token": b"s3cret\n"}
     for name, data in files.items():

@@ -12,22 +12,22 @@ import time
 import pytest
 import torch
 
-from draft_worker import build_proposer
-from draft_worker.ngram import NgramProposer
-from draft_worker.proposer import parse_speculative_config
-from draft_worker.server import DraftIdentity, serve
-from draft_worker.server_cli import build_server_proposer
-from draft_worker.spec_cache import SpecCache, SpecCacheConfig
-from proto import Limits, SamplingParams, SequenceUpdate, TreeBudget
-from target_worker.draft_client import (
+from outrider.draft_worker import build_proposer
+from outrider.draft_worker.ngram import NgramProposer
+from outrider.draft_worker.proposer import parse_speculative_config
+from outrider.draft_worker.server import DraftIdentity, serve
+from outrider.draft_worker.server_cli import build_server_proposer
+from outrider.draft_worker.spec_cache import SpecCache, SpecCacheConfig
+from outrider.proto import Limits, SamplingParams, SequenceUpdate, TreeBudget
+from outrider.target_worker.draft_client import (
     DraftClientConfig,
     RemoteDraftSource,
     target_handshake,
     tokenizer_fingerprint,
 )
-from target_worker.engine import Engine
-from target_worker.runner import ModelRunner
-from target_worker.sequence import RequestParams
+from outrider.target_worker.engine import Engine
+from outrider.target_worker.runner import ModelRunner
+from outrider.target_worker.sequence import RequestParams
 
 VOCAB = 50
 BUDGET = TreeBudget(max_nodes=8, max_depth=4, top_k=2)
@@ -265,7 +265,7 @@ def test_greedy_output_with_the_cache_equals_speculation_off(tiny_family, runner
 def test_the_server_keeps_hitting_round_after_round_on_a_predictable_sequence():
     """A hit's round is speculated on too: when every guess comes true, every round after the
     first is answered from the cache (before, hits could only alternate with misses)."""
-    from draft_worker.server import DraftBatcher
+    from outrider.draft_worker.server import DraftBatcher
 
     proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
     limits = Limits(max_batch=8, max_nodes=8, max_depth=4, max_top_k=2)
@@ -274,7 +274,7 @@ def test_the_server_keeps_hitting_round_after_round_on_a_predictable_sequence():
     pattern = [3, 7, 9, 11] * 40
     sent, rounds = 12, 8
     try:
-        from proto import DraftRequest
+        from outrider.proto import DraftRequest
 
         for round in range(1, rounds + 1):
             new = pattern[:sent] if round == 1 else pattern[sent - 5 : sent]  # 4 accepted + a bonus
@@ -322,7 +322,7 @@ def test_acceptance_rates_are_learned_from_the_real_deltas():
 def test_speculation_runs_only_while_some_of_the_idle_window_is_left():
     """A guess starts while the drafter's usual idle time between real rounds is not used up;
     one that overruns is interrupted at a draft step, so the count is rounded up."""
-    from draft_worker.server import DraftBatcher
+    from outrider.draft_worker.server import DraftBatcher
 
     proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
     limits = Limits(max_batch=8, max_nodes=8, max_depth=4, max_top_k=2)
@@ -428,8 +428,8 @@ def test_guesses_that_rarely_come_true_are_drafted_only_now_and_then():
 
 
 def test_a_round_the_target_answered_from_a_pushed_guess_gets_no_duplicate():
-    from draft_worker.server import DraftBatcher
-    from proto import DraftRequest
+    from outrider.draft_worker.server import DraftBatcher
+    from outrider.proto import DraftRequest
 
     proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
     limits = Limits(max_batch=8, max_nodes=8, max_depth=4, max_top_k=2)
@@ -461,7 +461,7 @@ def test_a_round_the_target_answered_from_a_pushed_guess_gets_no_duplicate():
 def test_acceptance_is_also_counted_per_sequence():
     """One sequence the drafter always gets right and one it never does: each ranks its own
     outcomes by its own rates (pulled toward the global rate while its counts are few)."""
-    from draft_worker.spec_cache import AcceptanceModel
+    from outrider.draft_worker.spec_cache import AcceptanceModel
 
     proposer = build_proposer(CONFIGS["ngram"], vocab_size=VOCAB)
     (tree,) = proposer.propose([make_update(1, 1, REPEAT, reset=True)])  # chain 11 3 7 9

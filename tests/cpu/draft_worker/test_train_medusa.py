@@ -11,15 +11,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from draft_worker import build_proposer
-from draft_worker.medusa import load_medusa_heads
-from draft_worker.training import TrainArgs, get_trainer, train_draft
-from draft_worker.training.data import load_distill_data
-from draft_worker.training.medusa import initial_heads, save_medusa
-from target_worker.draft_source import InProcessDraftSource
-from target_worker.engine import Engine
-from target_worker.runner import ModelRunner
-from target_worker.sequence import RequestParams
+from outrider.draft_worker import build_proposer
+from outrider.draft_worker.medusa import load_medusa_heads
+from outrider.draft_worker.training import TrainArgs, get_trainer, train_draft
+from outrider.draft_worker.training.data import load_distill_data
+from outrider.draft_worker.training.medusa import initial_heads, save_medusa
+from outrider.target_worker.draft_source import InProcessDraftSource
+from outrider.target_worker.engine import Engine
+from outrider.target_worker.runner import ModelRunner
+from outrider.target_worker.sequence import RequestParams
 
 NEW_TOKENS = 40
 
@@ -28,7 +28,7 @@ NEW_TOKENS = 40
 def setup(tiny_family, tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from benchmarks.prompts import load_prompts
+    from outrider.benchmarks.prompts import load_prompts
 
     base = tmp_path_factory.mktemp("train_medusa")
     args = TrainArgs(
@@ -102,7 +102,7 @@ class Interrupted(Exception):
 def test_resume_continues_from_the_saved_step(setup, tmp_path, monkeypatch):
     """A run killed right after its step-3 checkpoint, resumed, ends where an uninterrupted
     run does: same losses step for step, same weights."""
-    from draft_worker.training import common
+    from outrider.draft_worker.training import common
 
     _, args, _, _ = setup
     options = {"num_heads": 2, "positions": 64, "train_lm_head": True}  # Medusa-1's private heads
@@ -153,7 +153,7 @@ def test_sampling_with_trained_heads_is_seeded_and_accepts(setup):
 
 def next_token_probs(fam, sequences: list[list[int]], start: int, count: int) -> torch.Tensor:
     """[N, count, V]: the target's p (T = 1) of token start + j given the tokens before it."""
-    from target_worker.batch import SequenceChunk, build_forward_batch
+    from outrider.target_worker.batch import SequenceChunk, build_forward_batch
 
     n, length = len(sequences), len(sequences[0])
     runner = ModelRunner.from_pretrained(fam.target_dir, max_model_len=length, kv_cache_rows=n * length)
@@ -176,7 +176,7 @@ def test_sampled_tokens_follow_the_target_on_the_tiny_family(setup):
     uniform pass here); the two-token test in test_medusa.py is the sensitive one."""
     import math
 
-    from target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
+    from outrider.target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
 
     fam, args, _, prompts = setup
     n, k, delta = 1200, 4, 1e-3  # eps = 0.07; the heads sit ~0.17 in TV from the target here

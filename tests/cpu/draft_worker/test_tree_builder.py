@@ -6,9 +6,9 @@ import pytest
 import torch
 from draft_testlib import VOCAB, assert_valid, bigram_table, depths, mixed_updates
 
-from draft_worker import Frontier, build_proposer, build_trees
-from kernels import process_logits
-from proto import DraftSampling, SamplingParams, SequenceUpdate, TreeBudget
+from outrider.draft_worker import Frontier, build_proposer, build_trees
+from outrider.kernels import process_logits
+from outrider.proto import DraftSampling, SamplingParams, SequenceUpdate, TreeBudget
 
 GREEDY = SamplingParams()
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from draft_testlib import VOCAB, bigram_table
 
-from draft_worker import build_proposer
-from kernels import draw_verify_randoms, pack_trees, process_logits, verify
-from proto import DraftSampling, SamplingParams, SequenceUpdate, TreeBudget
+from outrider.draft_worker import build_proposer
+from outrider.kernels import draw_verify_randoms, pack_trees, process_logits, verify
+from outrider.proto import DraftSampling, SamplingParams, SequenceUpdate, TreeBudget
 
 NUM_DRAWS = 20_000
 DELTA = 1e-6

@@ -15,7 +15,7 @@ K8S = REPO / "k8s"
 MANIFESTS = sorted(K8S.glob("*.yaml"))
 # The KubeRay CRD lives beside the repository in the development workspace, not in it.
 RAYSERVICE_CRD = REPO.parent / "shared" / "schemas" / "ray.io_rayservices.yaml"
-APP_IMPORT_PATH = "cluster.app:build_app"
+APP_IMPORT_PATH = "outrider.cluster.app:build_app"
 
 
 def documents(path: Path) -> list[dict[str, Any]]:

@@ -35,9 +35,9 @@ from k8s_testlib import (
     start_resources,
 )
 
-from cluster.config import OutriderArgs
-from cluster.gpu_pools import DRAFT_RESOURCE, TARGET_RESOURCE, GpuInfo, PoolAssignment, classify
-from cluster.placement import draft_options, target_options
+from outrider.cluster.config import OutriderArgs
+from outrider.cluster.gpu_pools import DRAFT_RESOURCE, TARGET_RESOURCE, GpuInfo, PoolAssignment, classify
+from outrider.cluster.placement import draft_options, target_options
 
 K8S_VERSION = "1.34"  # a recent release kubernetes-validate ships schemas for
 

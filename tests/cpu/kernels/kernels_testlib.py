@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.packing import PackedTrees
-from proto.tree import DraftSampling
+from outrider.kernels.packing import PackedTrees
+from outrider.proto.tree import DraftSampling
 
 
 def tree_parents(branching: list[int]) -> torch.Tensor:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.kv_compaction import compact_kv
+from outrider.kernels.kv_compaction import compact_kv
 
 
 def naive(cache: torch.Tensor, accepted: torch.Tensor, roots: torch.Tensor, dim: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 import torch
 
-from kernels.logits_processing import process_logits
+from outrider.kernels.logits_processing import process_logits
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 2))
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from kernels.packing import pack_trees
-from proto.tree import CandidateTree, DraftSampling
+from outrider.kernels.packing import pack_trees
+from outrider.proto.tree import CandidateTree, DraftSampling
 
 
 def test_pack_trees_offsets_q_rows_and_padding() -> None:

@@ -2,8 +2,8 @@
 
 import torch
 
-from kernels.spec_metrics import SpecDecodeCounters
-from kernels.verification import VerifyOutput
+from outrider.kernels.spec_metrics import SpecDecodeCounters
+from outrider.kernels.verification import VerifyOutput
 
 
 def output(num_output: list[int]) -> VerifyOutput:

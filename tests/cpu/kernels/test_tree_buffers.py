@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.tree_buffers import build_tree_buffers, tree_attention_mask
+from outrider.kernels.tree_buffers import build_tree_buffers, tree_attention_mask
 
 # SGLang build_eagle_tree.py: topk = 4, depth = 4, N = 8, context lengths [5, 10].
 SGLANG_PARENTS = torch.tensor([-1, 0, 0, 1, 1, 3, 3, 5, -1, 0, 1, 1, 1, 1, 2, 6])

@@ -9,10 +9,10 @@ import pytest
 import torch
 from kernels_testlib import random_trees
 
-from kernels.kv_compaction import compact_kv
-from kernels.logits_processing import process_logits
-from kernels.tree_buffers import build_tree_buffers
-from kernels.verification import draw_verify_randoms, verify
+from outrider.kernels.kv_compaction import compact_kv
+from outrider.kernels.logits_processing import process_logits
+from outrider.kernels.tree_buffers import build_tree_buffers
+from outrider.kernels.verification import draw_verify_randoms, verify
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernels_testlib import random_trees
 
-from kernels.verification import verify
+from outrider.kernels.verification import verify
 
 VOCAB = 12
 
@@ -44,7 +44,7 @@ def test_greedy_tree_verification_equals_greedy_decoding(seed: int, batch: int, 
 def test_greedy_host_scan_equals_the_vectorised_walk(seed: int, batch: int, max_nodes: int) -> None:
     """The all-greedy CPU fast path returns exactly the reference walk's tensors, duplicate
     sibling tokens (the first in node order wins) and root-only trees included."""
-    from kernels.verification import _verify_greedy_host, _verify_reference, draw_verify_randoms
+    from outrider.kernels.verification import _verify_greedy_host, _verify_reference, draw_verify_randoms
 
     gen = torch.Generator().manual_seed(seed)
     next_logits = torch.randn(VOCAB // 3, VOCAB, generator=gen).repeat(3, 1)  # ties between tokens

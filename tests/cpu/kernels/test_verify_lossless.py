@@ -17,9 +17,9 @@ import pytest
 import torch
 from kernels_testlib import draft_trees
 
-from kernels.logits_processing import process_logits
-from kernels.verification import VerifyOutput, draw_verify_randoms, verify
-from proto.tree import DraftSampling
+from outrider.kernels.logits_processing import process_logits
+from outrider.kernels.verification import VerifyOutput, draw_verify_randoms, verify
+from outrider.proto.tree import DraftSampling
 
 VOCAB = 6
 NUM_DRAWS = 100_000

@@ -3,9 +3,9 @@
 import torch
 from kernels_testlib import chain, concat
 
-from kernels.packing import PackedTrees
-from kernels.verification import VerifyRandoms, draw_verify_randoms, verify
-from proto.tree import DraftSampling
+from outrider.kernels.packing import PackedTrees
+from outrider.kernels.verification import VerifyRandoms, draw_verify_randoms, verify
+from outrider.proto.tree import DraftSampling
 
 VOCAB = 8
 DET, WITH, WITHOUT = (

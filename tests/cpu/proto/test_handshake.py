@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from proto import (
+from outrider.proto import (
     PROTOCOL_VERSION,
     FeatureSpec,
     HandshakeMismatchError,

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from proto import (
+from outrider.proto import (
     DraftRequest,
     FeatureSpec,
     InvalidDraftError,

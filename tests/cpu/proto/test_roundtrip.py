@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proto import (
+from outrider.proto import (
     FEATURE_DTYPES,
     CandidateTree,
     DraftRequest,
@@ -28,7 +28,7 @@ from proto import (
     decode_tensor,
     encode_tensor,
 )
-from proto import outrider_pb2 as pb
+from outrider.proto import outrider_pb2 as pb
 
 UINT32 = st.integers(0, 2**32 - 1)
 UINT64 = st.integers(0, 2**64 - 1)

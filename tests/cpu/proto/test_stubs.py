@@ -14,9 +14,9 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2
 
-from proto import CandidateTree, DraftResponse, SequenceUpdate, outrider_pb2, outrider_pb2_grpc
-from proto import outrider_pb2 as pb
-from proto.generate import GENERATED_NAMES, PACKAGE_DIR, PROTO_FILE, REPO_ROOT, generate
+from outrider.proto import CandidateTree, DraftResponse, SequenceUpdate, outrider_pb2, outrider_pb2_grpc
+from outrider.proto import outrider_pb2 as pb
+from outrider.proto.generate import GENERATED_NAMES, PACKAGE_DIR, generate, staged_proto
 
 
 def test_committed_descriptor_matches_the_proto(tmp_path: Path) -> None:
@@ -25,20 +25,21 @@ def test_committed_descriptor_matches_the_proto(tmp_path: Path) -> None:
     from grpc_tools import protoc
 
     descriptor_set = tmp_path / "outrider.pb"
-    args = [
-        "grpc_tools.protoc",
-        f"--proto_path={REPO_ROOT}",
-        f"--descriptor_set_out={descriptor_set}",
-        str(PROTO_FILE.relative_to(REPO_ROOT)),
-    ]
-    assert protoc.main(args) == 0
+    with staged_proto() as (include, relative):
+        args = [
+            "grpc_tools.protoc",
+            f"--proto_path={include}",
+            f"--descriptor_set_out={descriptor_set}",
+            str(relative),
+        ]
+        assert protoc.main(args) == 0
     compiled = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file[0]
     # --descriptor_set_out adds json_name to every field; the embedded descriptor omits it.
     for message in compiled.message_type:
         for field in message.field:
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(outrider_pb2.DESCRIPTOR.serialized_pb)
-    assert compiled == committed, "proto/outrider.proto changed: run `python -m proto.generate`"
+    assert compiled == committed, "proto/outrider.proto changed: run `python -m outrider.proto.generate`"
 
 
 def test_committed_stubs_are_what_generate_writes(tmp_path: Path) -> None:
@@ -53,7 +54,7 @@ def test_committed_stubs_are_what_generate_writes(tmp_path: Path) -> None:
     for path in generate(tmp_path):
         committed = PACKAGE_DIR / path.name
         assert path.read_bytes() == committed.read_bytes(), (
-            f"{committed} is stale: run `python -m proto.generate`"
+            f"{committed} is stale: run `python -m outrider.proto.generate`"
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(GENERATED_NAMES)
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proto import (
+from outrider.proto import (
     CandidateTree,
     DraftResponse,
     DraftSampling,

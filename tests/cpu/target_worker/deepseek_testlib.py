@@ -1,7 +1,7 @@
 """Tiny random DeepSeek-V3 checkpoints built with transformers' own DeepseekV3ForCausalLM.
 
 Shared by the target-runner tests, their TP rank processes and the MTP drafting tests
-(import as `tests.cpu.target_worker.deepseek_testlib`). The config exercises every switch
+(import as `deepseek_testlib`; tests elsewhere put this folder on sys.path). The config exercises every switch
 the runner reads: q_lora_rank, first_k_dense_replace = 1 (a dense layer, then MoE), grouped
 routing (n_group 4, topk_group 2), a shared expert, norm_topk_prob, routed_scaling_factor,
 and YaRN with mscale != mscale_all_dim so both the rope table scale and the softmax mscale
@@ -140,7 +140,7 @@ def quantize_checkpoint(src: Path, dst: Path, block: tuple[int, int]) -> None:
     """Rewrites a checkpoint in the published FP8 layout: every 2-D projection weight of the
     decoder layers becomes float8_e4m3fn + a float32 `weight_scale_inv` per block, as in
     DeepSeek-V3's release (norms, router gate, embeddings and the head stay unquantised)."""
-    from target_worker.layers.fp8 import quantize_blocks
+    from outrider.target_worker.layers.fp8 import quantize_blocks
 
     dst.mkdir(parents=True, exist_ok=True)
     tensors = load_file(Path(src) / "model.safetensors")
@@ -170,7 +170,7 @@ def quantize_checkpoint(src: Path, dst: Path, block: tuple[int, int]) -> None:
 
 def dequantized_reference(src: Path, quantized: Path, dst: Path) -> None:
     """The fp32 checkpoint the FP8 one stands for (weights = fp8 x scale, written out plainly)."""
-    from target_worker.layers.fp8 import SCALE_SUFFIX, dequantize_blocks
+    from outrider.target_worker.layers.fp8 import SCALE_SUFFIX, dequantize_blocks
 
     config = json.loads((quantized / "config.json").read_text())
     block = tuple(config["quantization_config"]["weight_block_size"])
@@ -190,8 +190,8 @@ def tp_rank_check(tp, checkpoint_paths: list[str], atol: float) -> None:
     """Runs in each TP rank: the sharded runner's scenario equals an unsharded runner's."""
     from target_runner_testlib import run_scenario
 
-    from target_worker.batch import HiddenCapture
-    from target_worker.runner import ModelRunner
+    from outrider.target_worker.batch import HiddenCapture
+    from outrider.target_worker.runner import ModelRunner
 
     for path in checkpoint_paths:
         sharded = ModelRunner.from_pretrained(path, max_model_len=64, tp=tp)

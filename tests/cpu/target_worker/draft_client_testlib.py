@@ -13,17 +13,17 @@ from pathlib import Path
 import grpc
 import torch
 
-from draft_worker.server import DraftIdentity, serve
-from draft_worker.server_cli import build_server_proposer
-from proto import HandshakeRequest, Limits, TreeBudget
-from proto import outrider_pb2 as pb
-from proto import outrider_pb2_grpc as pb_grpc
-from target_worker import draft_client
-from target_worker.draft_client import DraftClientConfig, RemoteDraftSource, tokenizer_fingerprint
-from target_worker.draft_source import DraftSource
-from target_worker.engine import Engine, EngineStats
-from target_worker.runner import ModelRunner
-from target_worker.sequence import RequestParams
+from outrider.draft_worker.server import DraftIdentity, serve
+from outrider.draft_worker.server_cli import build_server_proposer
+from outrider.proto import HandshakeRequest, Limits, TreeBudget
+from outrider.proto import outrider_pb2 as pb
+from outrider.proto import outrider_pb2_grpc as pb_grpc
+from outrider.target_worker import draft_client
+from outrider.target_worker.draft_client import DraftClientConfig, RemoteDraftSource, tokenizer_fingerprint
+from outrider.target_worker.draft_source import DraftSource
+from outrider.target_worker.engine import Engine, EngineStats
+from outrider.target_worker.runner import ModelRunner
+from outrider.target_worker.sequence import RequestParams
 
 SNIPPETS = [
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",

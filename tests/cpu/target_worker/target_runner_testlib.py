@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
+from outrider.target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
 
 FAMILIES = {
     # GQA 4:2, llama3 rope scaling with a short original context so the scaling matters.
@@ -132,7 +132,7 @@ def reference_logits(model, sequence: list[int]) -> torch.Tensor:
 
 def tp_rank_check(tp, checkpoint_paths: list[str], atol: float, device: str = "cpu") -> None:
     """Runs in each TP rank: the sharded runner's scenario logits equal an unsharded runner's."""
-    from target_worker.runner import ModelRunner
+    from outrider.target_worker.runner import ModelRunner
 
     if device == "cuda":
         device = f"cuda:{tp.rank}"

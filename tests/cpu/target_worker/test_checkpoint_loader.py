@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from target_runner_testlib import save_random_checkpoint
 
-from target_worker.batch import SequenceChunk, build_forward_batch
-from target_worker.loader import CheckpointError, MissingTensorError
-from target_worker.models import UnsupportedArchitectureError
-from target_worker.runner import ModelRunner
+from outrider.target_worker.batch import SequenceChunk, build_forward_batch
+from outrider.target_worker.loader import CheckpointError, MissingTensorError
+from outrider.target_worker.models import UnsupportedArchitectureError
+from outrider.target_worker.runner import ModelRunner
 
 IDS = torch.tensor([5, 17, 3, 88, 41, 2])
 

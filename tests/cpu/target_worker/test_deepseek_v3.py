@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from target_runner_testlib import reference_logits, run_scenario
-
-from target_worker.batch import SequenceChunk, build_forward_batch
-from target_worker.models.deepseek_v3 import DeepseekV3Model
-from target_worker.parallel import launch
-from target_worker.runner import ModelRunner
-from tests.cpu.target_worker.deepseek_testlib import (
+from deepseek_testlib import (
     dequantized_reference,
     quantize_checkpoint,
     save_random_deepseek,
     tp_rank_check,
 )
+from target_runner_testlib import reference_logits, run_scenario
+
+from outrider.target_worker.batch import SequenceChunk, build_forward_batch
+from outrider.target_worker.models.deepseek_v3 import DeepseekV3Model
+from outrider.target_worker.parallel import launch
+from outrider.target_worker.runner import ModelRunner
 
 ATOL = 1e-4
 VARIANTS = {
@@ -64,7 +64,7 @@ def test_logits_match_transformers(tmp_path, v3, variant):
 
 def test_routing_is_not_trivial(v3):
     """The scenario really exercises grouped routing: groups and the bias change the choice."""
-    from target_worker.layers.moe import Routing, route
+    from outrider.target_worker.layers.moe import Routing, route
 
     path, model = v3
     block = ModelRunner.from_pretrained(path, max_model_len=64).model.blocks[1]

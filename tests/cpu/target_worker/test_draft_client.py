@@ -27,14 +27,14 @@ from draft_client_testlib import (
     target_handshake,
 )
 
-import draft_worker
-from draft_worker.server_cli import build_server_proposer
-from proto import HandshakeMismatchError
-from target_worker.draft_client import DraftClientConfig, RemoteDraftSource
+from outrider import draft_worker
+from outrider.draft_worker.server_cli import build_server_proposer
+from outrider.proto import HandshakeMismatchError
+from outrider.target_worker.draft_client import DraftClientConfig, RemoteDraftSource
 
 # Import every draft_worker module so each proposer that exists registers, later ones included.
 for module in pkgutil.iter_modules(draft_worker.__path__):
-    importlib.import_module(f"draft_worker.{module.name}")
+    importlib.import_module(f"outrider.draft_worker.{module.name}")
 METHODS = [m for m in draft_worker.known_methods() if not m.startswith("test_")]
 
 
@@ -57,7 +57,7 @@ def proposer_for(family, method: str):
     """The method's demo drafter, as `outrider draft-server --demo` picks it: the family's draft
     LM, a trained head (eagle3, medusa, mtp, peagle: built once per session and cached), or no
     model at all (ngram, suffix)."""
-    from cluster.demo.heads import demo_head_dir, head_methods
+    from outrider.demo.heads import demo_head_dir, head_methods
 
     model_dir = family.draft_dir
     if method != "draft_model" and method in head_methods():
@@ -218,7 +218,7 @@ class PushingDrafter(ScriptedDrafter):
         self.guesses, self.answered = guesses, []
 
     def Draft(self, request_iterator, context):
-        from proto import outrider_pb2 as pb
+        from outrider.proto import outrider_pb2 as pb
 
         for request in request_iterator:
             for update in request.updates:
@@ -233,7 +233,7 @@ class PushingDrafter(ScriptedDrafter):
 
 
 def two_nodes(seq_id: int, round: int, root: int, child: int):
-    from proto import outrider_pb2 as pb
+    from outrider.proto import outrider_pb2 as pb
 
     return pb.CandidateTree(
         seq_id=seq_id,
@@ -256,8 +256,8 @@ def test_pushed_guesses_are_checked_only_when_their_outcome_comes_true(tiny_fami
     engine's verify): thirty broken guesses that never come true cost nothing and are never
     counted; a sound one that comes true answers its round with no waiting; a broken one that
     comes true is dropped, counted, and the round falls back to the worker's own answer."""
-    from proto import SamplingParams, SequenceUpdate, TreeBudget
-    from proto import outrider_pb2 as pb
+    from outrider.proto import SamplingParams, SequenceUpdate, TreeBudget
+    from outrider.proto import outrider_pb2 as pb
 
     def guesses(update):
         cycle = dict(seq_id=update.seq_id, round=update.round + 1, parents=[-1, 2, 1])

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from draft_worker import build_proposer
-from draft_worker.server import DraftIdentity, serve
-from proto import FeatureSpec, HandshakeRequest, Limits, SamplingParams, SequenceUpdate, TreeBudget
-from target_worker.draft_client import DraftClientConfig, RemoteDraftSource
+from outrider.draft_worker import build_proposer
+from outrider.draft_worker.server import DraftIdentity, serve
+from outrider.proto import FeatureSpec, HandshakeRequest, Limits, SamplingParams, SequenceUpdate, TreeBudget
+from outrider.target_worker.draft_client import DraftClientConfig, RemoteDraftSource
 
 VOCAB, HIDDEN = 50, 16
 BUDGET = TreeBudget(4, 3, 1)
@@ -117,7 +117,7 @@ def test_a_worker_with_another_projection_is_refused():
 
 
 def test_join_projection_refuses_blocks_that_do_not_match_the_handshake():
-    from proto import InvalidDraftError, join_projection, projection_chunks, projection_sha256
+    from outrider.proto import InvalidDraftError, join_projection, projection_chunks, projection_sha256
 
     fc = torch.randn(40, 24)
     chunks = projection_chunks(fc, max_chunk_bytes=24 * 4 * 7)  # 7 rows a block

@@ -17,7 +17,7 @@ from draft_client_testlib import StopAfter, client, encode_prompts, generate, lo
 
 SERVER_MAIN = """
 import argparse, sys
-from draft_worker.server_cli import add_draft_server_parser
+from outrider.draft_worker.server_cli import add_draft_server_parser
 parser = argparse.ArgumentParser(prog="outrider")
 add_draft_server_parser(parser.add_subparsers(dest="command", required=True))
 args = parser.parse_args(sys.argv[1:])

@@ -11,24 +11,19 @@ other batches.
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
+import draft_testlib  # noqa: F401 - registers `test_bigram` (the conftest puts its folder on sys.path)
 import pytest
 import torch
 
-import draft_worker.draft_model  # noqa: F401 - registers `draft_model`
-from draft_worker import build_proposer
-from proto import CandidateTree, DraftSampling, FeatureSpec, Limits, SequenceUpdate, validate_update
-from target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
-from target_worker.draft_source import InProcessDraftSource
-from target_worker.engine import Engine
-from target_worker.runner import ModelRunner
-from target_worker.sequence import RequestParams
-
-# The test bigram proposer lives beside the draft-worker tests; same module name either way.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "draft_worker"))
-import draft_testlib  # noqa: E402, F401 - registers `test_bigram`
+import outrider.draft_worker.draft_model  # noqa: F401 - registers `draft_model`
+from outrider.draft_worker import build_proposer
+from outrider.proto import CandidateTree, DraftSampling, FeatureSpec, Limits, SequenceUpdate, validate_update
+from outrider.target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
+from outrider.target_worker.draft_source import InProcessDraftSource
+from outrider.target_worker.engine import Engine
+from outrider.target_worker.runner import ModelRunner
+from outrider.target_worker.sequence import RequestParams
 
 MAX_TOKENS = 24
 TEXTS = [
@@ -217,7 +212,7 @@ def test_two_lanes_take_turns_and_change_nothing(drafter, runner, prompts, plain
 def test_by_default_the_engine_measures_one_lane_against_two(runner, prompts, plain, tiny_family):
     """A source that drafts elsewhere gets a LaneTuner: it tries both modes while decoding and
     keeps the faster; output is plain greedy whatever it picks, even when it switches often."""
-    from target_worker.lanes import LaneTuner
+    from outrider.target_worker.lanes import LaneTuner
 
     source = OverlappingSource(proposer_for("draft_model", runner.model.vocab_size, tiny_family))
     engine = Engine(runner, source, eos_token_id=None, max_batch=4, max_prefill_tokens=24)
@@ -236,7 +231,7 @@ def test_the_lane_tuner_keeps_the_faster_mode_and_checks_the_other_now_and_then(
     the other confirm it; a trial that finds the other faster switches and starts over."""
     import itertools
 
-    from target_worker.lanes import LaneTuner
+    from outrider.target_worker.lanes import LaneTuner
 
     tuner = LaneTuner(trial_steps=2, exploit_steps=5, max_exploit_steps=20)
     speed = {1: 300.0, 2: 200.0}  # tokens per second of each mode
@@ -262,7 +257,7 @@ def test_the_lane_tuner_keeps_the_faster_mode_and_checks_the_other_now_and_then(
 def test_lanes_even_out_when_sequences_end_unevenly(runner):
     """Lane sizes drift as sequences end; each step first moves sequences so the two lanes
     differ by at most one, or the lane left alone would wait for its drafts every step."""
-    from target_worker.sequence import Sequence
+    from outrider.target_worker.sequence import Sequence
 
     engine = Engine(
         runner, OverlappingSource(proposer_for("ngram", runner.model.vocab_size)), eos_token_id=None

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_worker import build_proposer
-from target_worker.draft_source import InProcessDraftSource
-from target_worker.engine import Engine
-from target_worker.kv_cache import CacheFullError
-from target_worker.runner import ModelRunner
-from target_worker.sequence import RequestParams
+from outrider.draft_worker import build_proposer
+from outrider.target_worker.draft_source import InProcessDraftSource
+from outrider.target_worker.engine import Engine
+from outrider.target_worker.kv_cache import CacheFullError
+from outrider.target_worker.runner import ModelRunner
+from outrider.target_worker.sequence import RequestParams
 
 LONG = 40  # reference length
 

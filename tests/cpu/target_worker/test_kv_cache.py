@@ -6,9 +6,9 @@ import pytest
 import torch
 from target_runner_testlib import reference_logits
 
-from target_worker.batch import SequenceChunk, build_forward_batch
-from target_worker.kv_cache import CacheFullError, KVCache, KVSpec
-from target_worker.runner import ModelRunner
+from outrider.target_worker.batch import SequenceChunk, build_forward_batch
+from outrider.target_worker.kv_cache import CacheFullError, KVCache, KVSpec
+from outrider.target_worker.runner import ModelRunner
 
 PARENTS = [-1, 0, 0, 1, 2, 2, 4, 3]  # node 0 = root; parents precede children
 

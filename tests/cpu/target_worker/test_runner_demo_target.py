@@ -10,7 +10,7 @@ import pytest
 import torch
 from target_runner_testlib import reference_logits, run_scenario
 
-from target_worker.runner import ModelRunner
+from outrider.target_worker.runner import ModelRunner
 
 ATOL = 1e-4
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from target_runner_testlib import FAMILIES, reference_logits, run_scenario
 
-from target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
-from target_worker.runner import ModelRunner
+from outrider.target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
+from outrider.target_worker.runner import ModelRunner
 
 ATOL = 1e-4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from target_runner_testlib import save_random_checkpoint, tp_rank_check
 
-from target_worker.parallel import TPGroup, launch
+from outrider.target_worker.parallel import TPGroup, launch
 
 
 def test_tp2_gloo_equals_tp1(tmp_path):

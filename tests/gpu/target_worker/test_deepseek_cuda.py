@@ -12,14 +12,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "cpu" / "target_worker"))
+from deepseek_testlib import quantize_checkpoint, save_random_deepseek  # noqa: E402
 from target_runner_testlib import run_scenario  # noqa: E402
 
-from draft_worker import build_proposer  # noqa: E402
-from target_worker.draft_source import InProcessDraftSource  # noqa: E402
-from target_worker.engine import Engine  # noqa: E402
-from target_worker.runner import ModelRunner  # noqa: E402
-from target_worker.sequence import RequestParams  # noqa: E402
-from tests.cpu.target_worker.deepseek_testlib import quantize_checkpoint, save_random_deepseek  # noqa: E402
+from outrider.draft_worker import build_proposer  # noqa: E402
+from outrider.target_worker.draft_source import InProcessDraftSource  # noqa: E402
+from outrider.target_worker.engine import Engine  # noqa: E402
+from outrider.target_worker.runner import ModelRunner  # noqa: E402
+from outrider.target_worker.sequence import RequestParams  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

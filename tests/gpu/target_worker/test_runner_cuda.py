@@ -14,8 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[2] / "cpu" / "target_worker"))
 from target_runner_testlib import run_scenario, save_random_checkpoint, tp_rank_check  # noqa: E402
 
-from target_worker.parallel import launch  # noqa: E402
-from target_worker.runner import ModelRunner  # noqa: E402
+from outrider.target_worker.parallel import launch  # noqa: E402
+from outrider.target_worker.runner import ModelRunner  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

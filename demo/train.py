@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cluster.demo.recipe import ModelRecipe, TrainRecipe
+from outrider.demo.recipe import ModelRecipe, TrainRecipe
 
 
 def llama_config(recipe: ModelRecipe, vocab_size: int, eos_token_id: int) -> LlamaConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.demo import corpus
+from outrider.demo import corpus
 
 
 @pytest.fixture(scope="module")

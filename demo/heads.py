@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cluster.demo.family import MANIFEST, CorruptCacheError, DemoFamily, _build_lock, _sha256
+from outrider.demo.family import MANIFEST, CorruptCacheError, DemoFamily, _build_lock, _sha256
 
 HEADS_DIR = "heads"
 HEADS_FORMAT = 1
@@ -87,7 +87,7 @@ def head_recipe(size: str, method: str) -> HeadRecipe:
 
 def head_methods() -> list[str]:
     """Methods with a trainer here, minus draft_model (the family's draft LM is that head)."""
-    from draft_worker.training import known_trainers
+    from outrider.draft_worker.training import known_trainers
 
     return [m for m in known_trainers() if m != "draft_model"]
 
@@ -207,7 +207,7 @@ def build_in_lanes(
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from draft_worker.training.data import ensure_distill_data
+    from outrider.draft_worker.training.data import ensure_distill_data
 
     with _torch_threads(threads):  # the generation's decode steps are small ops too
         for method, recipe in recipes.items():  # a no-op for methods whose recipe shares the data
@@ -282,7 +282,7 @@ def train_args(
     family: DemoFamily, method: str, recipe: HeadRecipe, out: Path, *, progress: bool = True, line: int = 0
 ):
     """`recipe` as the trainer's `TrainArgs` for this family."""
-    from draft_worker.training import TrainArgs
+    from outrider.draft_worker.training import TrainArgs
 
     return TrainArgs(
         method=method,
@@ -312,8 +312,8 @@ def build_head(
     log: Callable[[str], None] = print,
     line: int = 0,
 ) -> None:
-    from draft_worker.training import train_draft
-    from draft_worker.training.common import drop_train_state
+    from outrider.draft_worker.training import train_draft
+    from outrider.draft_worker.training.common import drop_train_state
 
     recipe = recipe or head_recipe(family.size, method)
     started = time.monotonic()

@@ -9,7 +9,7 @@ A family is one folder:
         target/            config.json + model.safetensors + tokenizer files
         draft/             the independent draft LM, same layout
         heads/             trained draft heads (eagle3, peagle, ...), each with its own
-                           manifest and digest (`cluster.demo.heads`); not in this manifest
+                           manifest and digest (`demo.heads`); not in this manifest
 
 The digest covers the whole recipe including the seed, so a changed recipe is a new entry.
 A build writes into a temporary folder and renames it into place only when complete, and a
@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.demo import corpus as corpus_mod
-from cluster.demo.recipe import RECIPE_FORMAT, RECIPES, DemoRecipe
+from outrider.demo import corpus as corpus_mod
+from outrider.demo.recipe import RECIPE_FORMAT, RECIPES, DemoRecipe
 
 MANIFEST = "manifest.json"
 
@@ -94,7 +94,7 @@ def verify_family(root: Path, recipe: DemoRecipe) -> DemoFamily:
     if manifest.get("recipe_digest") != recipe.digest():
         raise CorruptCacheError(f"{root} was built from another recipe ({manifest.get('recipe_digest')})")
     expected = manifest.get("files") or {}
-    # heads/ holds the trained draft heads, each under its own manifest (cluster.demo.heads).
+    # heads/ holds the trained draft heads, each under its own manifest (demo.heads).
     present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()} - {MANIFEST}
     present = {p for p in present if not p.startswith("heads/")}
     if missing := sorted(set(expected) - present):
@@ -153,8 +153,8 @@ def build_family(
     import torch
     import transformers
 
-    from cluster.demo.tokenizer import encode_files, save_tokenizer, train_tokenizer
-    from cluster.demo.train import greedy_agreement, held_out_loss, new_model, num_parameters, train_lm
+    from outrider.demo.tokenizer import encode_files, save_tokenizer, train_tokenizer
+    from outrider.demo.train import greedy_agreement, held_out_loss, new_model, num_parameters, train_lm
 
     started = time.monotonic()
     log(f"building the {recipe.name!r} demo family (recipe {recipe.digest()}, seed {recipe.seed}) into {out}")

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from cluster.demo.family import (
+from outrider.demo.family import (
     CorruptCacheError,
     ensure_demo_family,
     export_family,
@@ -64,7 +64,7 @@ def test_cli_second_build_returns_from_cache_under_two_seconds(tiny_family, outr
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "cluster.cli", "demo", "build", "--size", "tiny", "--quiet"]
+    command = [sys.executable, "-m", "outrider.cluster.cli", "demo", "build", "--size", "tiny", "--quiet"]
     # The first call builds whatever draft heads the session has not built yet (untimed).
     subprocess.run(command, capture_output=True, text=True, check=True)
     start = time.monotonic()

@@ -1,4 +1,4 @@
-"""Demo heads (cluster.demo.heads): cached beside the family, never in its manifest; a cache
+"""Demo heads (demo.heads): cached beside the family, never in its manifest; a cache
 hit trains nothing; a corrupt head is rebuilt; `--demo` resolves a method to its head."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from cluster.cli import _demo_draft_dirs
-from cluster.demo import heads
-from cluster.demo.family import recipe_for, verify_family
-from cluster.demo.heads import HeadRecipe, ensure_demo_heads
+from outrider.cluster.cli import _demo_draft_dirs
+from outrider.demo import heads
+from outrider.demo.family import recipe_for, verify_family
+from outrider.demo.heads import HeadRecipe, ensure_demo_heads
 
 QUICK = HeadRecipe(
     steps=3,

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cluster.demo.corpus import EOS_TOKEN, SourceFile
-from cluster.demo.recipe import TokenizerRecipe
+from outrider.demo.corpus import EOS_TOKEN, SourceFile
+from outrider.demo.recipe import TokenizerRecipe
 
 
 def train_tokenizer(files: list[SourceFile], recipe: TokenizerRecipe) -> Tokenizer:
