@@ -164,7 +164,7 @@ def resolve_models(args: argparse.Namespace, methods: list[str], log=print) -> M
         models.serve_name = target.resolve().name
     else:
         from outrider.demo.family import ensure_demo_family
-        from outrider.demo.heads import demo_head_dir, head_dir, verify_head
+        from outrider.draft_worker.training.demo_heads import demo_head_dir, head_dir, verify_head
 
         family = ensure_demo_family(args.size, progress=False, log=log)
         models = Models(
@@ -174,7 +174,7 @@ def resolve_models(args: argparse.Namespace, methods: list[str], log=print) -> M
             family.draft_dir,
         )
         models.serve_model, models.serve_name = {"demo": args.size}, f"outrider-demo-{args.size}"
-    from outrider.demo.heads import head_methods
+    from outrider.draft_worker.training.demo_heads import head_methods
 
     trained = set(head_methods())  # methods whose drafter is a trained head
     for method in methods:

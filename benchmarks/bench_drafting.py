@@ -36,7 +36,7 @@ from outrider.proto import CandidateTree, FeatureSpec, SequenceUpdate
 def method_configs(draft_dir: str, heads: dict[str, str] | None = None) -> dict[str, dict | None]:
     """Method name (registry name first) -> speculative config; None = plain decoding.
 
-    `heads`: the demo family's trained heads by method (`demo.heads`), benchmarked too.
+    `heads`: the demo family's trained heads by method (`draft_worker.training.demo_heads`), benchmarked too.
     """
     model = {"method": "draft_model", "model": draft_dir}
     learned = {}
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner.from_pretrained(family.target_dir, max_model_len=context, kv_cache_rows=context + 64)
     vocab = runner.model.vocab_size
     engines: dict[str, tuple[Engine, TimedProposer | None]] = {}
-    from outrider.demo.heads import demo_head_dir, head_methods
+    from outrider.draft_worker.training.demo_heads import demo_head_dir, head_methods
 
     heads = {m: str(demo_head_dir(family, m)) for m in ("eagle3", "peagle") if m in head_methods()}
     configs = method_configs(str(family.draft_dir), heads)

@@ -6,7 +6,7 @@
 The sweep, its figures (tau, tokens/s and speedups against plain in the same run, per-position
 acceptance, drafter ms per round, looping share, tau on non-looping outputs) and the report
 format are bench_drafting's: this script trains (or loads) the family's Medusa heads through
-`demo.heads` and runs bench_drafting's `main` with a method table of Medusa shapes
+`draft_worker.training.demo_heads` and runs bench_drafting's `main` with a method table of Medusa shapes
 instead of its own. Every other option is bench_drafting's and is passed through.
 """
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
 
     from outrider.demo.family import ensure_demo_family
-    from outrider.demo.heads import demo_head_dir
+    from outrider.draft_worker.training.demo_heads import demo_head_dir
 
     heads = args.heads or str(demo_head_dir(ensure_demo_family(args.size), "medusa"))
     # bench_drafting builds its engines from `method_configs(...)`: here, Medusa shapes only.

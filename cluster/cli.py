@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def _cmd_demo_build(args: argparse.Namespace) -> int:
         f"greedy agreement {m['draft']['greedy_agreement_with_target']:.3f}"
     )
     if not args.no_heads:
-        from outrider.demo.heads import ensure_demo_heads
+        from outrider.draft_worker.training.demo_heads import ensure_demo_heads
 
         for method, folder in ensure_demo_heads(family, progress=not args.quiet).items():
             print(f"  {method} head: {folder}")
@@ -106,7 +107,7 @@ def _demo_draft_dirs(size: str, method: str = "draft_model") -> tuple[Path, Path
 
     family = ensure_demo_family(size)
     if method != "draft_model":
-        from outrider.demo.heads import demo_head_dir, head_methods
+        from outrider.draft_worker.training.demo_heads import demo_head_dir, head_methods
 
         if method in head_methods():
             return demo_head_dir(family, method), family.tokenizer_dir
@@ -282,12 +283,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one subcommand. A user mistake that a subcommand reports as `ValueError` or a missing
+    file (bad option values, unknown methods, absent folders) is one line on stderr and exit
+    status 2, as argparse reports its own; `OUTRIDER_DEBUG=1` shows the traceback instead."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except (ValueError, FileNotFoundError, NotADirectoryError) as error:
+        if os.environ.get("OUTRIDER_DEBUG"):
+            raise
+        message = str(error).strip() or type(error).__name__
+        print(f"outrider {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -47,7 +47,10 @@ def args_from_cli(ns: argparse.Namespace) -> dict:
         import yaml
 
         with open(ns.config) as f:
-            loaded = yaml.safe_load(f) or {}
+            try:
+                loaded = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ValueError(f"--config {ns.config} is not valid YAML ({e})") from None
         # Either OutriderArgs itself or a whole Serve config: take the first application's args.
         if "applications" in loaded:
             loaded = loaded["applications"][0].get("args", {})
@@ -59,7 +62,10 @@ def args_from_cli(ns: argparse.Namespace) -> dict:
     if ns.served_model_name:
         args["served_model_name"] = ns.served_model_name
     if ns.speculative_config:
-        args["speculative_config"] = json.loads(ns.speculative_config)
+        try:
+            args["speculative_config"] = json.loads(ns.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON ({e})") from None
     if ns.no_speculation:
         args["no_speculation"] = True
     if ns.tp:
@@ -74,8 +80,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
     try:
         config = load_args(args_from_cli(ns))
-    except (ValidationError, json.JSONDecodeError) as e:
-        print(f"outrider serve: bad configuration:\n{e}", file=sys.stderr)
+    except ValidationError as e:  # one line per wrong field, each naming it
+        print(f"outrider serve: error: bad configuration:\n{e}", file=sys.stderr)
         return 2
     import ray
     from ray import serve

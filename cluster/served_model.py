@@ -61,7 +61,7 @@ def _demo_head(family, args: OutriderArgs, progress: bool) -> Path | None:
     spec = args.speculative
     if spec is None or "model" in spec:
         return None
-    from outrider.demo.heads import demo_head_dir, head_methods
+    from outrider.draft_worker.training.demo_heads import demo_head_dir, head_methods
 
     return (
         demo_head_dir(family, spec["method"], progress=progress) if spec["method"] in head_methods() else None

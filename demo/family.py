@@ -9,7 +9,7 @@ A family is one folder:
         target/            config.json + model.safetensors + tokenizer files
         draft/             the independent draft LM, same layout
         heads/             trained draft heads (eagle3, peagle, ...), each with its own
-                           manifest and digest (`demo.heads`); not in this manifest
+                           manifest and digest (`draft_worker.training.demo_heads`); not in this manifest
 
 The digest covers the whole recipe including the seed, so a changed recipe is a new entry.
 A build writes into a temporary folder and renames it into place only when complete, and a
@@ -77,7 +77,7 @@ def family_dir(recipe: DemoRecipe, home: Path | None = None) -> Path:
     return (home or outrider_home()) / "demo" / f"{recipe.name}-{recipe.digest()}"
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -94,7 +94,7 @@ def verify_family(root: Path, recipe: DemoRecipe) -> DemoFamily:
     if manifest.get("recipe_digest") != recipe.digest():
         raise CorruptCacheError(f"{root} was built from another recipe ({manifest.get('recipe_digest')})")
     expected = manifest.get("files") or {}
-    # heads/ holds the trained draft heads, each under its own manifest (demo.heads).
+    # heads/ holds the trained draft heads, each under its own manifest (draft_worker.training.demo_heads).
     present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()} - {MANIFEST}
     present = {p for p in present if not p.startswith("heads/")}
     if missing := sorted(set(expected) - present):
@@ -102,13 +102,13 @@ def verify_family(root: Path, recipe: DemoRecipe) -> DemoFamily:
     if extra := sorted(present - set(expected)):
         raise CorruptCacheError(f"{root} has files its manifest does not list: {extra}")
     for rel, digest in expected.items():
-        if _sha256(root / rel) != digest:
+        if file_sha256(root / rel) != digest:
             raise CorruptCacheError(f"{root / rel} does not match its sha256 in the manifest")
     return DemoFamily(root, manifest)
 
 
 @contextlib.contextmanager
-def _build_lock(path: Path) -> Iterator[None]:
+def build_lock(path: Path) -> Iterator[None]:
     """One build per cache entry at a time, across processes (tests, Ray workers)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as handle:
@@ -131,7 +131,7 @@ def ensure_demo_family(
     """Return the cached family for (size, seed), building it first if absent or corrupt."""
     recipe = recipe_for(size, seed)
     root = family_dir(recipe, home)
-    with _build_lock(root.with_name(f".{root.name}.lock")):
+    with build_lock(root.with_name(f".{root.name}.lock")):
         if root.exists() and not force:
             try:
                 return verify_family(root, recipe)
@@ -255,7 +255,7 @@ def build_family(
         },
     }
     manifest["files"] = {
-        p.relative_to(out).as_posix(): _sha256(p) for p in sorted(out.rglob("*")) if p.is_file()
+        p.relative_to(out).as_posix(): file_sha256(p) for p in sorted(out.rglob("*")) if p.is_file()
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"built in {manifest['build']['seconds']:.0f} s")

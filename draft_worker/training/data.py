@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from outrider.demo.family import file_sha256
+
 if TYPE_CHECKING:
     from outrider.draft_worker.training import TrainArgs
 
@@ -90,19 +92,11 @@ class DistillData:
         return torch.bincount(self.tokens.flatten(), minlength=self.vocab_size)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def target_weights_sha256(target_dir: Path) -> str:
     files = sorted(target_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{target_dir} has no *.safetensors weights")
-    return hashlib.sha256("".join(_sha256(f) for f in files).encode()).hexdigest()
+    return hashlib.sha256("".join(file_sha256(f) for f in files).encode()).hexdigest()
 
 
 def default_cache_dir() -> Path:

@@ -37,7 +37,7 @@ def _refuse_constant(name):
 @pytest.fixture
 def quick_heads(monkeypatch):
     """Tiny heads trained for a few steps: the bench's paths are under test here, not head quality."""
-    from outrider.demo import heads
+    from outrider.draft_worker.training import demo_heads as heads
 
     for method in heads.head_methods():
         recipe = dataclasses.replace(heads.head_recipe("tiny", method), steps=4)

@@ -1,4 +1,4 @@
-"""Demo heads (demo.heads): cached beside the family, never in its manifest; a cache
+"""Demo heads (draft_worker.training.demo_heads): cached beside the family, never in its manifest; a cache
 hit trains nothing; a corrupt head is rebuilt; `--demo` resolves a method to its head."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 from dataclasses import replace
 
 from outrider.cluster.cli import _demo_draft_dirs
-from outrider.demo import heads
 from outrider.demo.family import recipe_for, verify_family
-from outrider.demo.heads import HeadRecipe, ensure_demo_heads
+from outrider.draft_worker.training import demo_heads as heads
+from outrider.draft_worker.training.demo_heads import HeadRecipe, ensure_demo_heads
 
 QUICK = HeadRecipe(
     steps=3,

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from outrider.demo.family import MANIFEST, CorruptCacheError, DemoFamily, _build_lock, _sha256
+from outrider.demo.family import MANIFEST, CorruptCacheError, DemoFamily, build_lock, file_sha256
 
 HEADS_DIR = "heads"
 HEADS_FORMAT = 1
@@ -107,7 +107,7 @@ def verify_head(folder: Path) -> dict:
     if present != set(expected):
         raise CorruptCacheError(f"{folder}: files {sorted(present ^ set(expected))} differ from the manifest")
     for rel, digest in expected.items():
-        if _sha256(folder / rel) != digest:
+        if file_sha256(folder / rel) != digest:
             raise CorruptCacheError(f"{folder / rel} does not match its sha256 in the manifest")
     return manifest
 
@@ -166,7 +166,7 @@ def _ensure_heads(
     """Build each head unless a usable one is there (one build per head across processes)."""
     for method, recipe in recipes.items():
         folder = head_dir(family, method, recipe)
-        with _build_lock(folder.with_name(f".{folder.name}.lock")):
+        with build_lock(folder.with_name(f".{folder.name}.lock")):
             if folder.exists() and not force:
                 try:
                     verify_head(folder)
@@ -332,7 +332,7 @@ def build_head(
         "build_seconds": round(time.monotonic() - started, 1),
     }
     manifest["files"] = {
-        p.relative_to(out).as_posix(): _sha256(p) for p in sorted(out.rglob("*")) if p.is_file()
+        p.relative_to(out).as_posix(): file_sha256(p) for p in sorted(out.rglob("*")) if p.is_file()
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     log(
