@@ -98,11 +98,11 @@ def verify(
 
         return verify_triton(trees, target_probs, is_greedy, randoms)
     if target_probs.device.type == "cpu" and bool(is_greedy.all()):
-        return _verify_greedy_host(trees, target_probs)
-    return _verify_reference(trees, target_probs, is_greedy, randoms)
+        return verify_greedy_host(trees, target_probs)
+    return verify_reference(trees, target_probs, is_greedy, randoms)
 
 
-def _verify_reference(
+def verify_reference(
     trees: PackedTrees, target_probs: torch.Tensor, is_greedy: torch.Tensor, randoms: VerifyRandoms
 ) -> VerifyOutput:
     """All trees walked together: each iteration tests one child per still-walking tree."""
@@ -174,13 +174,13 @@ def _verify_reference(
     source = torch.where((mass > 0)[:, None], residual, target_probs[starts + node])
     drawn = (source / randoms.exponentials).argmax(-1)
     final = torch.where(is_greedy, target_argmax[starts + node], drawn)
-    return _assemble(tokens, accepted, num_accepted, final)
+    return assemble_verify_output(tokens, accepted, num_accepted, final)
 
 
-def _verify_greedy_host(trees: PackedTrees, target_probs: torch.Tensor) -> VerifyOutput:
+def verify_greedy_host(trees: PackedTrees, target_probs: torch.Tensor) -> VerifyOutput:
     """The all-greedy batch on the CPU: one linear scan per tree, in Python over plain lists.
 
-    Same result as `_verify_reference` for greedy rows: from the root, the first child (in
+    Same result as `verify_reference` for greedy rows: from the root, the first child (in
     node order) whose token is the target's argmax at its parent is accepted, then its
     children are tried. Parents precede children, so one pass over the nodes in order finds
     the path. Per round this is a few microseconds per node where the vectorised walk pays
@@ -220,9 +220,11 @@ def _load_q(trees: PackedTrees, nodes: torch.Tensor) -> tuple[torch.Tensor, torc
     return ids, torch.where(ids >= 0, trees.q_probs[row.clamp(min=0)], 0.0)
 
 
-def _assemble(
+def assemble_verify_output(
     tokens: torch.Tensor, accepted: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor
 ) -> VerifyOutput:
+    """Output rows from a walk's result (the reference's and the Triton kernel's alike): the
+    accepted nodes' tokens, then the final token (recovered or bonus) at `num_accepted`."""
     batch, n = tokens.shape
     output = torch.full((batch, n), -1, dtype=torch.int64, device=tokens.device)
     output[:, : n - 1] = torch.where(accepted >= 0, tokens.gather(1, accepted.clamp(min=0)), -1)

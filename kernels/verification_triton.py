@@ -1,4 +1,4 @@
-"""Triton kernel for `verify`: one program walks one tree, exactly as `_verify_reference`.
+"""Triton kernel for `verify`: one program walks one tree, exactly as `verify_reference`.
 
 Per program state: the current node, the last child tried, the residual r of the current
 node (still p's row in `target_probs` until the first rejection there, then materialised in
@@ -14,7 +14,7 @@ import triton.language as tl
 
 from outrider.kernels.backend import next_power_of_2
 from outrider.kernels.packing import PackedTrees
-from outrider.kernels.verification import VerifyOutput, VerifyRandoms, _assemble
+from outrider.kernels.verification import VerifyOutput, VerifyRandoms, assemble_verify_output
 from outrider.proto.tree import DraftSampling
 
 
@@ -182,7 +182,7 @@ def _copy_row(src_ptr, dst_ptr, VOCAB, BLOCK_V: tl.constexpr):
 def verify_triton(
     trees: PackedTrees, target_probs: torch.Tensor, is_greedy: torch.Tensor, randoms: VerifyRandoms
 ) -> VerifyOutput:
-    """Same contract as `verification._verify_reference`."""
+    """Same contract as `verification.verify_reference`."""
     device, n = target_probs.device, trees.max_num_nodes
     batch, vocab = trees.batch_size, target_probs.shape[1]
     q_top_k = trees.q_token_ids.shape[1]
@@ -224,4 +224,4 @@ def verify_triton(
     starts = trees.cu_num_draft_tokens[:-1]
     local = torch.arange(n, device=device)
     flat = (starts[:, None] + local).clamp(max=trees.token_ids.numel() - 1)
-    return _assemble(trees.token_ids[flat], accepted, num_accepted, final)
+    return assemble_verify_output(trees.token_ids[flat], accepted, num_accepted, final)
