@@ -16,22 +16,18 @@ never idles while the drafter drafts, and vice versa:
     step k:    verify lane A  |  drafter drafts lane B's trees
     step k+1:  verify lane B  |  drafter drafts lane A's trees
 
-Each step then verifies about half the batch; a round of every sequence costs two half-size
-forwards instead of one forward plus the drafting of the whole batch. Whether that pays
-depends on how long drafting takes next to verifying, so by default the engine measures
-both modes as it runs and uses the faster (`target_worker.lanes.LaneTuner`). One decoding
-sequence has nothing to overlap with, and in-process drafting runs inside `collect`, so both
-keep one lane (the speculation cache is what hides the drafter at batch 1).
+Each round (one step, one verify forward) then verifies about half the batch; every sequence
+gets its turn in two half-size forwards instead of one forward plus the drafting of the whole
+batch. Whether that pays depends on how long drafting takes next to verifying, so by default
+the engine measures both modes as it runs and uses the faster (`target_worker.lanes.LaneTuner`).
+One decoding sequence has nothing to overlap with, and in-process drafting runs inside
+`collect`, so both keep one lane (the speculation cache is what hides the drafter at batch 1).
 
 A sequence without a tree (speculation off, no tree by the deadline, a bad tree) is verified
 with a root-only tree: plain decoding of one token through the same code path. Requests are
 admitted whenever a batch slot and a KV extent are free; a request that could never fit is
-refused at `add_request` with `CacheFullError`.
-
-Features for the drafter (`FeatureSpec.layer_ids`, the inputs of those target layers,
-concatenated) follow the convention that row j of an update's `features` is the target
-hidden state at the position *before* new_tokens[j], the state that predicted it (EAGLE's
-f_i pairs with t_(i+1)); position 0 has none and gets a zero row.
+refused at `add_request` with `CacheFullError`. The features a drafter needs are captured
+in the same forward (`target_worker.drafter_features`).
 """
 
 from __future__ import annotations
@@ -60,12 +56,12 @@ from outrider.proto import (
     TreeBudget,
     check_trees,
 )
-from outrider.target_worker.batch import HiddenCapture
 from outrider.target_worker.draft_source import DraftSource
+from outrider.target_worker.drafter_features import capture_for, gather_features, keep_features, verified_rows
 from outrider.target_worker.kv_cache import CacheFullError
 from outrider.target_worker.lanes import LaneTuner
+from outrider.target_worker.round_plan import RoundPlan, plan_round, root_only_tree
 from outrider.target_worker.runner import ModelRunner
-from outrider.target_worker.scheduler import RoundPlan, plan_round, root_only_tree
 from outrider.target_worker.sequence import RequestOutput, RequestParams, Sequence
 
 log = logging.getLogger(__name__)
@@ -94,20 +90,6 @@ class Completion:
     finish_reason: str
     stop_reason: str | int | None
     text: str | None
-
-
-def _capture_for(features: FeatureSpec, num_layers: int) -> HiddenCapture | None:
-    """What the runner returns for a drafter's FeatureSpec; layer id `num_layers` = final hidden."""
-    if not features.needs_features:
-        return None
-    beyond = [i for i in features.layer_ids if i > num_layers]
-    if beyond:
-        raise ValueError(
-            f"the drafter wants features of layers {beyond}; the target has {num_layers} "
-            f"(layer {num_layers} = the final hidden state)"
-        )
-    inputs = tuple(i for i in features.layer_ids if i < num_layers)
-    return HiddenCapture(layer_inputs=inputs, final=num_layers in features.layer_ids)
 
 
 class Engine:
@@ -145,7 +127,7 @@ class Engine:
         self.detokenize = detokenize
         self.vocab_size = runner.model.vocab_size
         self.features = draft_source.feature_spec if draft_source else FeatureSpec()
-        self.capture = _capture_for(self.features, runner.model.num_layers)
+        self.capture = capture_for(self.features, runner.model.num_layers)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.round = 0
@@ -194,7 +176,8 @@ class Engine:
     # ---- the round -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One round for every running sequence; returns what each gained (token deltas)."""
+        """One round (one verify forward: every running sequence, or with two lanes the decoding
+        ones of the lane whose turn it is); returns what each gained (token deltas)."""
         self._admit()
         if not self.running:
             return []
@@ -217,7 +200,7 @@ class Engine:
         )
         # 2. One target forward: prompt chunks and every tree, flattened into one ragged batch.
         out = self.runner.forward(plan.forward)
-        features = self._features(out) if self.capture else None
+        features = gather_features(out, self.features, self.runner.model.num_layers) if self.capture else None
         self._count(plan)
         outputs = []
         if plan.trees is not None:
@@ -416,13 +399,9 @@ class Engine:
         tree_sizes = (tree_cu[1:] - tree_cu[:-1]).tolist()
         outputs = []
         for b, seq in enumerate(plan.verified):
-            if features is not None:
-                # Rows that predicted each new token: prompt chunk rows before the root, the
-                # root, then the accepted nodes (all but the last new token's predecessor).
-                # A tree (or chain) is the chunk's last rows: a prompt chunk ends in its root.
-                root = cu[b + 1] - tree_sizes[b]
-                path = [root + node for node in accepted[b][: num_output[b] - 1]]
-                self._keep_features(seq, features[[*range(cu[b], root + 1), *path]])
+            if features is not None:  # the rows that predicted each new token
+                rows = verified_rows(cu[b], cu[b + 1], tree_sizes[b], accepted[b], num_output[b])
+                keep_features(seq, features[rows])
             # The root and the accepted nodes are now cached; the last new token is the next root.
             seq.num_cached = len(seq.tokens) + num_output[b] - 1
             new = seq.append(output_ids[b][: num_output[b]], self.eos_token_id, self.detokenize)
@@ -444,23 +423,8 @@ class Engine:
         cu = plan.forward.cu_seqlens
         for i, seq in enumerate(plan.filled, start=len(plan.verified)):
             if features is not None:
-                self._keep_features(seq, features[cu[i] : cu[i + 1]])
+                keep_features(seq, features[cu[i] : cu[i + 1]])
             seq.num_cached += cu[i + 1] - cu[i]
-
-    def _features(self, out) -> torch.Tensor:
-        """[T, len(layer_ids) * H] raw drafter features of every token in the forward.
-
-        Always the raw concatenation: with a `projected` spec the draft source applies the
-        drafter's fc itself (`draft_source.project_features`) before the features leave.
-        """
-        final = self.runner.model.num_layers
-        layers = [out.final_hidden if i == final else out.layer_inputs[i] for i in self.features.layer_ids]
-        return torch.cat(layers, dim=-1).to(getattr(torch, self.features.dtype))
-
-    def _keep_features(self, seq: Sequence, rows: torch.Tensor) -> None:
-        if seq.num_cached == 0:  # the first token has no predecessor: a zero row
-            seq.unsent_features.append(rows.new_zeros(1, rows.shape[1]))
-        seq.unsent_features.append(rows)
 
     def _count(self, plan: RoundPlan) -> None:
         self.stats.num_rounds += 1
