@@ -239,7 +239,7 @@ _BUILTIN_MODULES = (
     "outrider.draft_worker.ngram",
     "outrider.draft_worker.suffix_tree",
     "outrider.draft_worker.draft_model",
-    "outrider.draft_worker.medusa",
+    "outrider.draft_worker.medusa.proposer",
     "outrider.draft_worker.eagle3",
     "outrider.draft_worker.peagle",
     "outrider.draft_worker.mtp",

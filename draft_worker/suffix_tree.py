@@ -222,9 +222,9 @@ def grow_tree(
     if len(tokens) == 1:
         return None
     expanded = sorted(set(parents[1:]))
-    width = max(len(q_rows[u]) for u in expanded)
-    q_ids = torch.full((len(expanded), width), -1, dtype=torch.int64)  # [num_expanded, width]
-    q_probs = torch.zeros(len(expanded), width, dtype=torch.float32)  # [num_expanded, width]
+    q_width = max(len(q_rows[u]) for u in expanded)
+    q_ids = torch.full((len(expanded), q_width), -1, dtype=torch.int64)  # [num_expanded, q_width]
+    q_probs = torch.zeros(len(expanded), q_width, dtype=torch.float32)  # [num_expanded, q_width]
     for row, node in enumerate(expanded):
         ids, probs = zip(*q_rows[node], strict=True)
         q_ids[row, : len(ids)] = torch.tensor(ids)

@@ -48,6 +48,12 @@ from dataclasses import dataclass
 import torch
 
 from outrider.draft_worker.proposer import root_only_tree
+from outrider.draft_worker.sampling import (
+    QParams,
+    clamp_uniforms,
+    draw_with_replacement,
+    draw_without_replacement,
+)
 from outrider.kernels import process_logits
 from outrider.proto import CandidateTree, DraftSampling, SequenceUpdate, TreeBudget
 
@@ -132,11 +138,10 @@ def build_trees(
     width, depth_limit = int(top_k[active].max()), int(max_depth[active].max())
     modes = [DraftSampling.DETERMINISTIC if u.sampling.greedy else sampled_mode for u in updates]
     # Entries of each sequence's q rows: the budget's q_width when its children are drawn.
-    row_widths = [_row_width(b, m) for b, m in zip(budgets, modes, strict=True)]
-    row_width = max(w for w, a in zip(row_widths, active.tolist(), strict=True) if a)
-    q_width = torch.tensor(row_widths, device=device)
-    expander = _Expander(updates, modes, top_k, width, q_width, row_width, device)
-    noise = _draw_uniforms(budgets, modes, generators, width, row_width, depth_limit).to(device)
+    q_widths = [_q_width(b, m) for b, m in zip(budgets, modes, strict=True)]
+    q_width = max(w for w, a in zip(q_widths, active.tolist(), strict=True) if a)
+    expander = _Expander(updates, modes, top_k, width, torch.tensor(q_widths, device=device), q_width, device)
+    noise = _draw_uniforms(budgets, modes, generators, width, q_width, depth_limit).to(device)
 
     roots = torch.stack([u.new_tokens[-1] for u in updates]).to(device)  # [batch]
     seq = active.nonzero().squeeze(1)
@@ -169,7 +174,7 @@ def build_trees(
     return _assemble(updates, budgets, modes, levels, q_rows, max_drafts)
 
 
-def _row_width(budget: TreeBudget, mode: DraftSampling) -> int:
+def _q_width(budget: TreeBudget, mode: DraftSampling) -> int:
     """Entries per q row: top-k rows for DETERMINISTIC trees, q_width ones when children are drawn."""
     return budget.top_k if mode == DraftSampling.DETERMINISTIC else budget.row_width
 
@@ -183,19 +188,15 @@ class _Expander:
         modes: Sequence[DraftSampling],
         top_k: torch.Tensor,  # [batch] int64; children per node of each sequence
         width: int,  # max of top_k
-        q_width: torch.Tensor,  # [batch] int64; entries of each sequence's q rows (>= its top_k)
-        row_width: int,  # max of q_width
+        q_widths: torch.Tensor,  # [batch] int64; entries of each sequence's q rows (>= its top_k)
+        q_width: int,  # max of q_widths: the padded row width
         device: torch.device,
     ) -> None:
-        params = [u.sampling for u in updates]
         # Greedy sequences score children by the plain softmax (EAGLE-2), not a one-hot.
-        self.temperature = torch.tensor([1.0 if s.greedy else s.temperature for s in params], device=device)
-        self.top_k = torch.tensor([0 if s.greedy else s.top_k for s in params], device=device)
-        self.top_p = torch.tensor([1.0 if s.greedy else s.top_p for s in params], device=device)
-        self.min_p = torch.tensor([0.0 if s.greedy else s.min_p for s in params], device=device)
+        self.q_params = QParams.of([u.sampling for u in updates], device)  # [batch] each
         self.mode = torch.tensor([int(m) for m in modes], device=device)  # [batch]
         self.children_per_node, self.width = top_k, width
-        self.q_width, self.row_width = q_width, row_width
+        self.q_widths, self.q_width = q_widths, q_width
 
     def expand(
         self,
@@ -204,12 +205,12 @@ class _Expander:
         logits: torch.Tensor,  # [F, vocab]
         uniforms: torch.Tensor,  # [F, width] in (0, 1); this round's draws for each row
     ) -> tuple[_Nodes, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(children, frontier row of each child, q ids [F, row_width], q probs [F, row_width])."""
+        """(children, frontier row of each child, q ids [F, q_width], q probs [F, q_width])."""
         seq, width = frontier.seq, self.width
-        q = process_logits(logits, self.temperature[seq], self.top_k[seq], self.top_p[seq], self.min_p[seq])
-        top, ids = q.topk(self.row_width, dim=-1)  # [F, row_width]; sorted
-        entry = torch.arange(self.row_width, device=q.device)
-        top = torch.where(entry < self.q_width[seq][:, None], top, 0.0)  # this sequence's row width
+        q = process_logits(logits, *self.q_params.take(seq))
+        top, ids = q.topk(self.q_width, dim=-1)  # [F, q_width]; sorted
+        entry = torch.arange(self.q_width, device=q.device)
+        top = torch.where(entry < self.q_widths[seq][:, None], top, 0.0)  # this sequence's q_width
         ids = torch.where(top > 0, ids, -1)
         sibling = torch.arange(width, device=q.device)
         # w_i, the i-th largest probability, scores child i; child i exists iff q has an
@@ -221,10 +222,10 @@ class _Expander:
         row = torch.where(sampled, top / top.sum(-1, keepdim=True), top)  # the q drawn from
         tokens = torch.where(
             mode == int(DraftSampling.WITHOUT_REPLACEMENT),
-            _draw_without_replacement(ids, row, uniforms)[:, :width],
+            draw_without_replacement(ids, row, uniforms)[:, :width],
             torch.where(
                 mode == int(DraftSampling.WITH_REPLACEMENT),
-                _draw_with_replacement(ids, row, uniforms[:, :width]),
+                draw_with_replacement(ids, row, uniforms[:, :width]),
                 ids[:, :width],
             ),
         )
@@ -241,38 +242,23 @@ class _Expander:
         return children, row_of_child, ids, row
 
 
-def _draw_without_replacement(ids: torch.Tensor, row: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Gumbel-top-k: sorting log q + Gumbel noise gives sequential draws without replacement
-    (draw i from q restricted to the tokens not drawn yet); [F, width] ids in draw order."""
-    keys = row.log() - (-uniforms.log()).log()
-    return ids.gather(-1, keys.argsort(-1, descending=True))
-
-
-def _draw_with_replacement(ids: torch.Tensor, row: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draws, one per uniform: [F, width] i.i.d. ids from each row."""
-    cdf = row.cumsum(-1)  # [F, width]
-    picks = (cdf[:, None, :] <= uniforms[:, :, None] * cdf[:, -1:, None]).sum(-1)  # [F, width]
-    support = (row > 0).sum(-1, keepdim=True)
-    return ids.gather(-1, torch.minimum(picks, support - 1).clamp(min=0))
-
-
 def _draw_uniforms(
     budgets: Sequence[TreeBudget],
     modes: Sequence[DraftSampling],
     generators: Sequence[torch.Generator | None],
     width: int,
-    row_width: int,
+    q_width: int,
     depth_limit: int,
-) -> torch.Tensor:  # [batch, depth_limit, width (frontier slot), row_width (q entry)] float32, CPU
+) -> torch.Tensor:  # [batch, depth_limit, width (frontier slot), q_width (q entry)] float32, CPU
     """Uniforms for the round's draws (one per q entry: Gumbel keys without replacement, the
     first k as inverse-CDF draws with), per sequence from its own generator, so a seeded
     sequence drafts the same whatever it is batched with."""
-    noise = torch.zeros(len(budgets), depth_limit, width, row_width)
+    noise = torch.zeros(len(budgets), depth_limit, width, q_width)
     for b, (budget, mode, generator) in enumerate(zip(budgets, modes, generators, strict=True)):
         if mode != DraftSampling.DETERMINISTIC and budget.top_k > 0 and budget.max_nodes > 1:
             k, d, w = budget.top_k, budget.max_depth, budget.row_width
             noise[b, :d, :k, :w] = torch.rand(d, k, w, generator=generator)
-    return noise.clamp_(min=torch.finfo(torch.float32).tiny)  # Gumbel needs log(u) finite
+    return clamp_uniforms(noise)
 
 
 def _cutoff(levels: list[_Nodes], batch: int, max_drafts: torch.Tensor) -> torch.Tensor:
@@ -365,7 +351,7 @@ def _assemble(
         if split[b] == 0:
             trees.append(root_only_tree(update))
             continue
-        k = _row_width(budgets[b], modes[b])
+        k = _q_width(budgets[b], modes[b])
         trees.append(
             CandidateTree(
                 seq_id=update.seq_id,

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from outrider.draft_worker.medusa import HEADS_FILE, MedusaHeads
+from outrider.draft_worker.medusa.heads import HEADS_FILE, MedusaHeads
 from outrider.draft_worker.training import TrainArgs, register_trainer
 from outrider.draft_worker.training.common import train_loop
 from outrider.draft_worker.training.data import DistillData

@@ -1,9 +1,6 @@
-"""`medusa`: tree buffers, both published checkpoint layouts, the feature offset against the
-target's own hidden states, losslessness of sampled trees, and greedy equality through the
-engine (in-process and over gRPC) on the tiny demo family.
-
-Checkpoints here are random heads written in exactly the published layouts; trained heads are
-tested in tests/cpu/draft_worker/test_train_medusa.py.
+"""`medusa`: seeded and lossless sampled trees, the feature offset against the target's own
+hidden states, and greedy equality through the engine (in-process and over gRPC) on the tiny
+demo family. Tree buffers: test_medusa_tree.py; checkpoint layouts: test_medusa_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -14,74 +11,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from medusa_testlib import (
+    CHOICES,
+    HIDDEN,
+    VOCAB,
+    random_heads,
+    reference_logits,
+    small_proposer,
+    update,
+    write_faster_decoding,
+)
 
 from outrider.draft_worker import build_proposer
-from outrider.draft_worker.medusa import HEADS_FILE, StaticTree, best_choices, load_medusa_heads
+from outrider.draft_worker.medusa.checkpoint import load_medusa_heads
 from outrider.kernels import draw_verify_randoms, pack_trees, process_logits, verify
-from outrider.proto import DraftSampling, SamplingParams, SequenceUpdate, TreeBudget, check_trees
+from outrider.proto import DraftSampling, SamplingParams, TreeBudget, check_trees
 from outrider.target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
 from outrider.target_worker.draft_source import InProcessDraftSource
 from outrider.target_worker.engine import Engine
-from outrider.target_worker.loader import CheckpointError
 from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import RequestParams
-
-CHOICES = [(0,), (1,), (0, 0), (2,), (0, 1), (1, 0), (0, 0, 0)]
-
-
-def random_heads(num_heads: int, hidden: int, vocab: int, seed: int = 0, scale: float = 1.0) -> dict:
-    """Per-head tensors {w [H, H], b [H], lm [V, H]} with non-zero blocks, so the ResBlock matters."""
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        {
-            "w": torch.randn(hidden, hidden, generator=gen) * 0.3 / hidden**0.5,
-            "b": torch.randn(hidden, generator=gen) * 0.1,
-            "lm": torch.randn(vocab, hidden, generator=gen) * scale / hidden**0.5,
-        }
-        for _ in range(num_heads)
-    ]
-
-
-def write_faster_decoding(folder: Path, heads: list[dict], **config) -> Path:
-    """FasterDecoding's layout: medusa_lm_head.safetensors with `{k}.0.linear.*` and `{k}.1.weight`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for k, head in enumerate(heads):
-        tensors[f"{k}.0.linear.weight"] = head["w"]
-        tensors[f"{k}.0.linear.bias"] = head["b"]
-        tensors[f"{k}.1.weight"] = head["lm"]
-    save_file(tensors, folder / HEADS_FILE)
-    vocab, hidden = heads[0]["lm"].shape
-    fields = dict(medusa_num_heads=len(heads), medusa_num_layers=1, hidden_size=hidden, vocab_size=vocab)
-    (folder / "config.json").write_text(json.dumps(fields | config))
-    return folder
-
-
-def write_vllm(folder: Path, heads: list[dict], **config) -> Path:
-    """vLLM's layout: `blocks.{k}.layers.0.weight/bias`, `lm_heads.{k}.weight`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for k, head in enumerate(heads):
-        tensors[f"blocks.{k}.layers.0.weight"] = head["w"]
-        tensors[f"blocks.{k}.layers.0.bias"] = head["b"]
-        tensors[f"lm_heads.{k}.weight"] = head["lm"]
-    save_file(tensors, folder / "model.safetensors")
-    vocab, hidden = heads[0]["lm"].shape
-    fields = dict(
-        num_heads=len(heads), num_hidden_layers=1, hidden_size=hidden, vocab_size=vocab, medusa_fc_bias=True
-    )
-    (folder / "config.json").write_text(json.dumps(fields | config))
-    return folder
-
-
-def reference_logits(heads: list[dict], hidden: torch.Tensor) -> torch.Tensor:
-    """[K, V]: head k = lm_k(h + SiLU(W_k h + b_k)), written out independently of MedusaHeads."""
-    rows = []
-    for head in heads:
-        x = hidden + torch.nn.functional.silu(head["w"] @ hidden + head["b"])
-        rows.append(head["lm"] @ x)
-    return torch.stack(rows)
 
 
 def depth_of(parents: list[int]) -> list[int]:
@@ -89,176 +38,6 @@ def depth_of(parents: list[int]) -> list[int]:
     for p in parents[1:]:
         depth.append(depth[p] + 1)
     return depth
-
-
-# ---- the static tree ------------------------------------------------------------------------
-
-
-def test_choices_compile_to_buffers_parents_first_siblings_by_rank():
-    tree = StaticTree.compile(CHOICES, num_heads=3)
-    # layout: root, (0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)
-    assert tree.parents.tolist() == [-1, 0, 0, 0, 1, 1, 2, 4]
-    assert tree.depth.tolist() == [0, 1, 1, 1, 2, 2, 2, 3]
-    assert tree.rank.tolist() == [0, 0, 1, 2, 0, 1, 0, 0]
-    assert tree.sibling.tolist() == [0, 0, 1, 2, 0, 1, 0, 0]
-    assert tree.expanded.tolist() == [0, 1, 2, 4] and tree.width == 3
-
-
-def test_a_budget_keeps_the_first_paths_that_fit_prefix_closed():
-    tree = StaticTree.compile(CHOICES, num_heads=3)
-    cut = tree.cut(TreeBudget(max_nodes=5, max_depth=2, top_k=2))
-    assert cut.paths == ((0,), (1,), (0, 0), (0, 1))  # (2,) is past top_k, (0, 0, 0) past the depth
-    # A path whose prefix was cut goes too, even when it fits.
-    sparse = StaticTree.compile([(0,), (2,), (2, 0), (0, 0)], num_heads=2)
-    assert sparse.cut(TreeBudget(max_nodes=8, max_depth=2, top_k=2)).paths == ((0,), (0, 0))
-
-
-@pytest.mark.parametrize(
-    "choices, message",
-    [
-        ([(0, 0)], "without"),
-        ([(0,), (0,)], "twice"),
-        ([(0,), (0, 0, 0, 0)], "ranks"),
-        ([(-1,)], "ranks"),
-    ],
-)
-def test_bad_choices_are_refused(choices, message):
-    with pytest.raises(ValueError, match=message):
-        StaticTree.compile(choices, num_heads=3)
-
-
-def test_a_path_listed_before_its_prefix_waits_for_it():
-    tree = StaticTree.compile([(0, 0), (1,), (0,), (0, 0, 0)], num_heads=3)
-    assert tree.paths == ((1,), (0,), (0, 0), (0, 0, 0))
-    assert tree.cut(TreeBudget(max_nodes=3, max_depth=3, top_k=2)).paths == ((1,), (0,))
-
-
-def test_best_choices_follow_the_accuracies():
-    accuracy = [[0.8, 0.1, 0.05], [0.5, 0.3, 0.1], [0.4, 0.2, 0.1]]
-    assert best_choices(accuracy, TreeBudget(max_nodes=4, max_depth=3, top_k=1)) == [(0,), (0, 0), (0, 0, 0)]
-    # values: (0,) .8, (0,0) .4, (0,1) .24, (0,0,0) .16, (1,) .1, (0,1,0) .096, (0,0,1) .08 ...
-    choices = best_choices(accuracy, TreeBudget(max_nodes=7, max_depth=3, top_k=3))
-    assert choices == [(0,), (0, 0), (0, 1), (0, 0, 0), (1,), (0, 1, 0)]
-    StaticTree.compile(choices, num_heads=3)  # prefix-closed in priority order
-
-
-# ---- checkpoints ----------------------------------------------------------------------------
-
-VOCAB, HIDDEN = 12, 8
-
-
-def small_proposer(folder: Path, **keys):
-    config = {"method": "medusa", "model": str(folder), "num_speculative_tokens": 3, "target_num_layers": 2}
-    return build_proposer(config | keys, vocab_size=VOCAB)
-
-
-GREEDY, BUDGET = SamplingParams(), TreeBudget(max_nodes=8, max_depth=3, top_k=3)
-
-
-def update(seq_id, hidden, *, tokens=(3,), sampling=GREEDY, budget=BUDGET, **kw):
-    features = torch.zeros(len(tokens), hidden.shape[0])
-    features[-1] = hidden
-    return SequenceUpdate(seq_id, 0, torch.tensor(tokens), sampling, budget, features=features, **kw)
-
-
-@pytest.mark.parametrize("layout", ["faster_decoding", "vllm"])
-def test_published_layouts_draft_the_reference_tokens(tmp_path, layout):
-    heads = random_heads(3, HIDDEN, VOCAB, seed=1, scale=3.0)
-    folder = (write_faster_decoding if layout == "faster_decoding" else write_vllm)(tmp_path, heads)
-    proposer = small_proposer(folder, medusa_choices=CHOICES, tree_top_k=3, tree_max_nodes=8)
-    assert proposer.feature_spec.layer_ids == (2,) and proposer.feature_spec.hidden_size == HIDDEN
-    hidden = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(5))
-    (tree,) = proposer.propose([update(0, hidden, tokens=(4, 9, 3))])
-    ranked = reference_logits(heads, hidden).argsort(-1, descending=True)  # [K, V]
-    # Node (r0, r1, ...) takes rank r_d of head d: layout root, (0,), (1,), (2,), (0,0), (0,1), (1,0), (0,0,0).
-    expected = [
-        3,
-        ranked[0, 0],
-        ranked[0, 1],
-        ranked[0, 2],
-        ranked[1, 0],
-        ranked[1, 1],
-        ranked[1, 0],
-        ranked[2, 0],
-    ]
-    assert tree.tokens.tolist() == [int(t) for t in expected]
-    assert tree.parents.tolist() == [-1, 0, 0, 0, 1, 1, 2, 4]
-    assert tree.sampling == DraftSampling.DETERMINISTIC
-    assert check_trees([tree], [TreeBudget(8, 3, 3)], VOCAB) == [None]
-
-
-def test_heads_with_one_lm_head_read_it_once(tmp_path):
-    """A FasterDecoding checkpoint whose heads hold equal lm_heads (trained with the target's head
-    frozen) is served with one shared head: same trees, one [V, H] matrix."""
-    heads = random_heads(3, HIDDEN, VOCAB, seed=7, scale=3.0)
-    for head in heads[1:]:
-        head["lm"] = heads[0]["lm"].clone()
-    proposer = small_proposer(write_faster_decoding(tmp_path, heads), medusa_choices=CHOICES, tree_top_k=3)
-    assert proposer.heads.shared_head and proposer.heads.lm_head.shape == (1, VOCAB, HIDDEN)
-    hidden = torch.randn(HIDDEN)
-    (tree,) = proposer.propose([update(0, hidden)])
-    ranked = reference_logits(heads, hidden).argsort(-1, descending=True)
-    assert tree.tokens[1:4].tolist() == ranked[0, :3].tolist() and int(tree.tokens[-1]) == int(ranked[2, 0])
-
-
-def test_vllm_token_map_and_shared_head(tmp_path):
-    heads = random_heads(2, HIDDEN, 5, seed=2, scale=3.0)
-    token_map = torch.tensor([11, 2, 7, 0, 5])
-    tensors = {f"blocks.{k}.layers.0.weight": h["w"] for k, h in enumerate(heads)}
-    tensors |= {"lm_head.weight": heads[0]["lm"], "token_map": token_map}
-    save_file(tensors, tmp_path / "model.safetensors")
-    config = dict(
-        num_heads=2, num_hidden_layers=1, hidden_size=HIDDEN, vocab_size=VOCAB, truncated_vocab_size=5
-    )
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    proposer = small_proposer(tmp_path, num_speculative_tokens=2)
-    hidden = torch.randn(HIDDEN)
-    (tree,) = proposer.propose([update(0, hidden)])
-    shared = [{"w": h["w"], "b": torch.zeros(HIDDEN), "lm": heads[0]["lm"]} for h in heads]
-    top = reference_logits(shared, hidden).argmax(-1)
-    assert tree.tokens.tolist() == [3, int(token_map[top[0]]), int(token_map[top[1]])]
-
-
-def test_medusa2_prefixed_heads_without_a_count_load(tmp_path):
-    """Medusa-2 keeps the heads inside the whole model (`medusa_head.{k}...`); with no
-    medusa_num_heads in config.json, every head in the file is read."""
-    heads = random_heads(3, HIDDEN, VOCAB, seed=8, scale=3.0)
-    tensors = {"model.norm.weight": torch.ones(HIDDEN)}
-    for k, head in enumerate(heads):
-        tensors |= {
-            f"medusa_head.{k}.0.linear.weight": head["w"],
-            f"medusa_head.{k}.0.linear.bias": head["b"],
-        }
-        tensors[f"medusa_head.{k}.1.weight"] = head["lm"]
-    save_file(tensors, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "medusa_num_layers": 1}))
-    loaded, _ = load_medusa_heads(tmp_path)
-    hidden = torch.randn(HIDDEN)
-    assert loaded.num_heads == 3
-    torch.testing.assert_close(loaded(hidden[None])[0], reference_logits(heads, hidden))
-
-
-def test_pickle_checkpoints_are_refused_with_a_way_out(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2}))
-    (tmp_path / "medusa_lm_head.pt").write_bytes(b"\x80\x04not really")
-    with pytest.raises(CheckpointError, match="safetensors"):
-        load_medusa_heads(tmp_path)
-
-
-def test_the_target_layer_count_comes_from_the_base_model_folder(tmp_path):
-    base = tmp_path / "target"
-    base.mkdir()
-    (base / "config.json").write_text(json.dumps({"num_hidden_layers": 7}))
-    folder = write_faster_decoding(
-        tmp_path / "heads", random_heads(2, HIDDEN, VOCAB), base_model_name_or_path=str(base)
-    )
-    config = {"method": "medusa", "model": str(folder), "num_speculative_tokens": 2}
-    assert build_proposer(config, vocab_size=VOCAB).feature_spec.layer_ids == (7,)
-    hub = write_faster_decoding(
-        tmp_path / "hub", random_heads(2, HIDDEN, VOCAB), base_model_name_or_path="org/x"
-    )
-    with pytest.raises(ValueError, match="target_num_layers"):
-        build_proposer(config | {"model": str(hub)}, vocab_size=VOCAB)
 
 
 # ---- sampled trees --------------------------------------------------------------------------
@@ -415,8 +194,8 @@ def test_features_are_the_states_that_predicted_each_token(family):
     assert tokens == sequence[: len(tokens)] and len(tokens) >= len(prompts[0]) + 2
     assert torch.equal(features[0], torch.zeros_like(features[0]))
     torch.testing.assert_close(features[1:], final[: len(tokens) - 1], atol=1e-4, rtol=1e-4)
-    for update, tree in zip(recorder.updates, recorder.trees, strict=True):
-        ranked = reference_logits(heads, update.features[-1].float()).argsort(-1, descending=True)
+    for recorded, tree in zip(recorder.updates, recorder.trees, strict=True):
+        ranked = reference_logits(heads, recorded.features[-1].float()).argsort(-1, descending=True)
         depth = depth_of(tree.parents.tolist())
         first = [t for t, d in zip(tree.tokens.tolist(), depth, strict=True) if d == 1]
         assert first == ranked[0, : len(first)].tolist()

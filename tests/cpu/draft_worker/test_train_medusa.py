@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from outrider.draft_worker import build_proposer
-from outrider.draft_worker.medusa import load_medusa_heads
+from outrider.draft_worker.medusa.checkpoint import load_medusa_heads
 from outrider.draft_worker.training import TrainArgs, get_trainer, train_draft
 from outrider.draft_worker.training.data import load_distill_data
 from outrider.draft_worker.training.medusa import initial_heads, save_medusa
