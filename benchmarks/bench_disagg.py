@@ -10,7 +10,7 @@
     (`--methods`, default ngram and draft_model): plain, the proposer in-process
     (co-located: drafting is on the target's critical path), and the same proposer in a draft
     server process (disaggregated), without and with the speculation cache
-    (draft_worker.spec_cache: the server pre-drafts round r+1 for the likeliest verify
+    (draft_worker.speculation: the server pre-drafts round r+1 for the likeliest verify
     outcomes while the target verifies round r and pushes those trees to the target, so a
     hit costs no round trip). The server reports its cache hits, misses and the drafting time
     the hits saved when it stops; `pushed_used` counts rounds a pushed tree answered. A method
@@ -79,14 +79,14 @@ else:
     proposer = build_server_proposer(args["method"], args["options"], Path(args["draft_dir"]),
                                      Path(args["tokenizer_dir"]))
 identity = DraftIdentity(args["method"], proposer.vocab_size, tokenizer_fingerprint(args["tokenizer_dir"]))
-from outrider.draft_worker.spec_cache import SpecCacheConfig
+from outrider.draft_worker.speculation import SpecCacheConfig
 server = serve(proposer, identity, address="127.0.0.1:0",
                speculation_cache=SpecCacheConfig(args.get("outcomes", 4)) if args.get("cache") else None)
 print(server.port, flush=True)
 sys.stdin.read()
 server.stop(2)
 stats = server.stats
-print(json.dumps({"cache_on": server.servicer.batcher.spec_cache is not None, **vars(stats)}), flush=True)
+print(json.dumps({"cache_on": server.servicer.batcher.speculator is not None, **vars(stats)}), flush=True)
 """
 
 

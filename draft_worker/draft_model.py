@@ -12,24 +12,18 @@ it; a round, for the whole batch at once:
     prefill   one forward over every sequence's uncached tokens (the round's delta, ending in
               the root): the root's logits, and the delta's K/V at its absolute positions
     expand    one forward per tree depth through `tree_builder.build_trees`, over the
-              frontier rows of every sequence together (`_TreeScratch`); when every budget
-              is a chain (top_k = 1), the same trees without the builder (`_draft_chains`)
+              frontier rows of every sequence together (`model_drafting.TreeScratch`); when
+              every budget is a chain (top_k = 1), the same trees without the builder
+              (`model_drafting.draft_chains`)
 
-Draft extent of one sequence (rows = absolute positions, as in the target's cache):
-
-    | committed context ... root | scratch: this round's tree nodes, in expansion order |
-    ^ start                       ^ start + L (L = cached tokens, root included)
-
-Tree node j of the round is written to row start + L + j at RoPE position L - 1 + depth and
-attends to the context and its own ancestors (an explicit mask; a chain step is a plain
-decode). Nothing is rolled back: next round's delta (accepted tokens + the recovered or
-bonus token) is prefilled at start + L, overwriting whatever drafted rows sit there.
+The draft extent of a sequence (context rows by absolute position, then this round's scratch
+rows, nothing rolled back) is drawn in `model_drafting`.
 
 A sequence that does not fit (KV cache full, or past the draft's `max_model_len`) gets
 root-only trees, so the target decodes it without speculation: drafting costs speed, never
 a request. It is admitted again later if the cache frees up.
 
-Forks (the speculation cache, `draft_worker.spec_cache`) borrow the sequence's extent and
+Forks (the speculation cache, `draft_worker.speculation`) borrow the sequence's extent and
 keep no rows of their own. While they draft, each gets a scratch extent whose first L rows
 are a copy of the committed ones, so all of a sequence's forks draft in one batch; the
 scratch extents are freed as soon as the trees are out:
@@ -55,16 +49,21 @@ from pathlib import Path
 
 import torch
 
-from outrider.draft_worker.proposer import Proposer, register_proposer, root_only_tree
-from outrider.draft_worker.tree_builder import Frontier, build_trees, draft_generator
-from outrider.proto import CandidateTree, DraftSampling, SequenceUpdate, TreeBudget
-from outrider.proto.handshake import vocab_fingerprint
-from outrider.target_worker.batch import ForwardBatch, SequenceChunk, build_forward_batch
+from outrider.draft_worker.model_drafting import (
+    NO_DRAFT,
+    ChainStep,
+    TreeScratch,
+    check_model_options,
+    draft_chains,
+    draft_vocabulary,
+)
+from outrider.draft_worker.proposer import NO_HINTS, DraftHints, Proposer, register_proposer
+from outrider.draft_worker.tree_builder import build_trees, draft_generator
+from outrider.proto import CandidateTree, SequenceUpdate
+from outrider.target_worker.batch import SequenceChunk, build_forward_batch
 from outrider.target_worker.kv_cache import CacheFullError
 from outrider.target_worker.loader import DTYPES
 from outrider.target_worker.runner import ModelRunner
-
-NO_DRAFT = TreeBudget(max_nodes=1, max_depth=0, top_k=0)
 
 
 @dataclass(frozen=True)
@@ -84,14 +83,6 @@ class DraftModelOptions:
             raise ValueError("draft_model: give kv_cache_rows or kv_cache_bytes, not both")
 
 
-def check_model_options(method: str, model: str | None, dtype: str | None, what: str) -> None:
-    """The checks every model-based method's Options share: a checkpoint folder, a known dtype."""
-    if not model:
-        raise ValueError(f"{method}: the key 'model' ({what}) is required")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"{method}: dtype {dtype!r}; use one of {sorted(DTYPES)}")
-
-
 @dataclass
 class DraftModelState:
     seq_id: int
@@ -101,18 +92,6 @@ class DraftModelState:
     cached: int = 0  # tokens[:cached] have their K/V in the extent
     # A fork: the real state whose extent it borrows (never frees); None: the extent is its own.
     lender: DraftModelState | None = field(default=None, repr=False, compare=False)
-
-
-def draft_vocabulary(path: str | Path) -> tuple[int, str | None]:
-    """(embedding rows from config.json, vocab fingerprint of tokenizer.json or None if absent)."""
-    path = Path(path)
-    size = int(json.loads((path / "config.json").read_text())["vocab_size"])
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        return size, None
-    from tokenizers import Tokenizer
-
-    return size, vocab_fingerprint(Tokenizer.from_file(str(tokenizer_file)).get_vocab(with_added_tokens=True))
 
 
 @register_proposer("draft_model")
@@ -189,7 +168,7 @@ class DraftModelProposer(Proposer[DraftModelState]):
         )
 
     def speculate(
-        self, seq_id: int, updates: Sequence[SequenceUpdate]
+        self, seq_id: int, updates: Sequence[SequenceUpdate], hints: DraftHints = NO_HINTS
     ) -> list[tuple[CandidateTree, DraftModelState]] | None:
         """As `Proposer.speculate`: every fork in one batch, each in a scratch extent holding a
         copy of the context rows; without room for those, one fork at a time in the sequence's
@@ -200,13 +179,15 @@ class DraftModelProposer(Proposer[DraftModelState]):
         base, forks = made
         scratch = self._scratch_extents(base, forks)
         try:
-            self.check_interrupted()
+            hints.check_interrupted()
             if scratch is not None:
                 for fork, start in zip(forks, scratch, strict=True):
                     fork.start = fork.start if start is None else start
-                trees = self.draft(updates, forks)
+                trees = self.draft_with_hints(updates, forks, hints)
             else:  # forks of one sequence write the same rows of its extent: one at a time
-                trees = [self.draft([u], [f])[0] for u, f in zip(updates, forks, strict=True)]
+                trees = [
+                    self.draft_with_hints([u], [f], hints)[0] for u, f in zip(updates, forks, strict=True)
+                ]
         finally:
             for i, start in enumerate(scratch or []):
                 if start is not None:
@@ -265,6 +246,12 @@ class DraftModelProposer(Proposer[DraftModelState]):
     def draft(
         self, updates: Sequence[SequenceUpdate], states: Sequence[DraftModelState]
     ) -> list[CandidateTree]:
+        return self.draft_with_hints(updates, states, NO_HINTS)
+
+    def draft_with_hints(
+        self, updates: Sequence[SequenceUpdate], states: Sequence[DraftModelState], hints: DraftHints
+    ) -> list[CandidateTree]:
+        """As `draft`; chains honour both hints (outcome rows, an interrupt between steps)."""
         drafting = [b for b, s in enumerate(states) if self._admit(s)]
         vocab = self.vocab_size
         root_logits = torch.zeros(len(updates), vocab, device=self.runner.device)  # [batch, vocab]
@@ -277,9 +264,24 @@ class DraftModelProposer(Proposer[DraftModelState]):
                 depth = min(budget.max_depth, room)
                 budgets[b] = replace(budget, max_depth=depth) if depth > 0 else NO_DRAFT
         if all(b.top_k <= 1 for b in budgets) and all(u.sampling.greedy for u in updates):
-            return self._draft_chains(updates, states, budgets, root_logits)
-        scratch = _TreeScratch(self, states)
-        return build_trees(
+
+            def step(chain: ChainStep) -> torch.Tensor:
+                self.forwards += 1
+                batch = build_forward_batch(chain.decode_chunks(states), device=self.runner.device)
+                return self.runner.forward(batch).logits
+
+            return draft_chains(
+                updates,
+                budgets,
+                lambda active: root_logits[active],
+                step,
+                sampled_mode=self.config.sampled_mode,
+                hints=hints,
+            )
+        scratch = TreeScratch(
+            lambda batch: self.runner.forward(batch).logits, self.runner.device, self.scratch_rows, states
+        )
+        trees = build_trees(
             updates,
             budgets,
             root_logits,
@@ -287,6 +289,8 @@ class DraftModelProposer(Proposer[DraftModelState]):
             sampled_mode=self.config.sampled_mode,
             generators=[s.generator for s in states],
         )
+        self.forwards += scratch.forwards
+        return trees
 
     def _admit(self, state: DraftModelState) -> bool:
         """Whether the sequence drafts this round: it fits the draft's context and has an extent."""
@@ -316,59 +320,6 @@ class DraftModelProposer(Proposer[DraftModelState]):
             s.cached = len(s.tokens)
         return out.logits
 
-    def _draft_chains(
-        self,
-        updates: Sequence[SequenceUpdate],
-        states: Sequence[DraftModelState],
-        budgets: Sequence[TreeBudget],
-        root_logits: torch.Tensor,  # [batch, vocab]
-    ) -> list[CandidateTree]:
-        """Chains without the tree builder's ranking (its per-depth sorts cost more than a
-        small draft's forward), giving exactly its top_k = 1 trees: each child is the argmax;
-        its q row is the softmax's top probability when greedy, else the top-1 of q
-        renormalised, 1.0 (a point mass, which the verifier accepts with p(x))."""
-        lengths = [min(b.max_depth, b.max_nodes - 1) if b.top_k == 1 else 0 for b in budgets]
-        # Outcome rows (the speculation cache asks for them): each q row also names the
-        # runner-up, and one more step gives the q after the last draft, so the cache can
-        # rank (accepted length, bonus) outcomes without drafting probes.
-        width, extra = (2, 1) if self.outcome_rows else (1, 0)
-        drafts: list[list[int]] = [[] for _ in updates]
-        rows: list[list[list[tuple[int, float]]]] = [[] for _ in updates]
-        active = [b for b, n in enumerate(lengths) if n > 0]
-        logits = root_logits[active]  # [len(active), vocab]
-        for depth in range(max(lengths, default=0) + extra):
-            self.check_interrupted()  # only while speculating (Proposer.interrupted)
-            top_q, top_t = logits.float().softmax(-1).topk(width, dim=-1)  # [len(active), width] each
-            for b, tokens, qs in zip(active, top_t.tolist(), top_q.tolist(), strict=True):
-                if depth < lengths[b]:
-                    drafts[b].append(tokens[0])
-                if updates[b].sampling.greedy:  # as wide as the budget lets q rows be
-                    rows[b].append(list(zip(tokens, qs, strict=True))[: max(1, budgets[b].row_width)])
-                else:  # a point mass, which the verifier accepts with p(x)
-                    rows[b].append([(tokens[0], 1.0)])
-            active = [b for b in active if lengths[b] + extra > depth + 1]  # the last draft needs no logits
-            if not active:
-                break
-            # Draft `depth` sits at position L + depth (the root at L - 1): a plain decode step.
-            chunks = [
-                SequenceChunk(states[b].start, states[b].cached + depth, torch.tensor(drafts[b][-1:]))
-                for b in active
-            ]
-            logits = self.runner.forward(build_forward_batch(chunks, device=self.runner.device)).logits
-            self.forwards += 1
-        return [
-            chain_tree(
-                u,
-                d,
-                None,
-                DraftSampling.DETERMINISTIC if u.sampling.greedy else self.config.sampled_mode,
-                rows=r,
-            )
-            if d
-            else root_only_tree(u)
-            for u, d, r in zip(updates, drafts, rows, strict=True)
-        ]
-
 
 def _clone(generator: torch.Generator | None) -> torch.Generator | None:
     """An independent generator in the same state: a fork draws what the state would have."""
@@ -377,95 +328,3 @@ def _clone(generator: torch.Generator | None) -> torch.Generator | None:
     copy = torch.Generator(generator.device)
     copy.set_state(generator.get_state())
     return copy
-
-
-def chain_tree(
-    update: SequenceUpdate,
-    drafts: list[int],
-    probs: list[float] | None,
-    sampling: DraftSampling,
-    *,
-    rows: list[list[tuple[int, float]]] | None = None,
-) -> CandidateTree:
-    """A chain rooted at the update's last token; node i + 1 was drawn from q row i.
-
-    By default row i is the one entry (drafts[i], probs[i]). `rows` replaces them: row i is
-    (token, q) pairs led by drafts[i], and a row past the last draft (`len(drafts) + 1` rows)
-    is the q after the leaf, which only the speculation cache reads. Rows are padded to the
-    widest with (-1, 0.0).
-    """
-    if rows is None:
-        rows = [[(d, q)] for d, q in zip(drafts, probs, strict=True)]
-    width = max(len(row) for row in rows)
-    padded = [row + [(-1, 0.0)] * (width - len(row)) for row in rows]
-    return CandidateTree(
-        seq_id=update.seq_id,
-        round=update.round,
-        tokens=torch.tensor([int(update.new_tokens[-1]), *drafts], dtype=torch.int64),
-        parents=torch.arange(-1, len(drafts), dtype=torch.int64),
-        q_nodes=torch.arange(len(rows), dtype=torch.int64),
-        q_token_ids=torch.tensor([[t for t, _ in row] for row in padded], dtype=torch.int64),  # [rows, width]
-        q_probs=torch.tensor([[q for _, q in row] for row in padded], dtype=torch.float32),  # [rows, width]
-        sampling=sampling,
-    )
-
-
-class _TreeScratch:
-    """The `LogitsFn` of one round: writes each depth's frontier into the sequences' scratch
-    rows and returns its logits, one forward for the whole batch."""
-
-    def __init__(self, proposer: DraftModelProposer, states: Sequence[DraftModelState]):
-        self.proposer = proposer
-        self.runner = proposer.runner
-        device = self.runner.device
-        self.start = torch.tensor([s.start or 0 for s in states], dtype=torch.int64)  # [batch]
-        self.cached = torch.tensor([s.cached for s in states], dtype=torch.int64)  # [batch] L
-        self.used = torch.zeros(len(states), dtype=torch.int64)  # [batch] scratch rows written
-        # [rows of the last call, scratch_rows] bool: which scratch rows each row attends to.
-        self.ancestors = torch.zeros(0, proposer.scratch_rows, dtype=torch.bool, device=device)
-
-    def __call__(self, frontier: Frontier) -> torch.Tensor:  # [frontier.num_rows, vocab]
-        device = self.runner.device
-        seq = frontier.seq_index.cpu()  # [R]
-        # Rows grouped by sequence (they normally already are): one ragged chunk each.
-        order = seq.argsort(stable=True)
-        seq = seq[order]
-        counts = torch.bincount(seq, minlength=self.used.shape[0])  # [batch]
-        first = counts.cumsum(0) - counts
-        slot = self.used[seq] + torch.arange(seq.shape[0]) - first[seq]  # [R] scratch row of each
-        self.used += counts
-        parent = frontier.parent_row.to(device)[order.to(device)]
-        if frontier.depth == 1:
-            ancestors = torch.zeros(seq.shape[0], self.ancestors.shape[1], dtype=torch.bool, device=device)
-        else:
-            ancestors = self.ancestors[parent]
-        ancestors[torch.arange(seq.shape[0], device=device), slot.to(device)] = True
-        self.ancestors = torch.empty_like(ancestors)
-        self.ancestors[order.to(device)] = ancestors  # kept in the builder's row order
-
-        present = counts.nonzero().squeeze(1)
-        kv_lens, masks = [], []
-        for b, n, f in zip(present.tolist(), counts[present].tolist(), first[present].tolist(), strict=True):
-            length, used = int(self.cached[b]), int(self.used[b])
-            kv_lens.append(length + used)
-            visible = ancestors[f : f + n, :used]
-            if n == 1 and bool(visible.all()):
-                masks.append(None)  # a chain step: the newest row attends to everything, a decode
-            else:
-                context = torch.ones(n, length, dtype=torch.bool, device=device)
-                masks.append(torch.cat([context, visible], 1))
-        cu = torch.cat([torch.zeros(1, dtype=torch.int64), counts[present].cumsum(0)])
-        batch = ForwardBatch(
-            input_ids=frontier.tokens.to(device)[order.to(device)],
-            positions=(self.cached[seq] - 1 + frontier.depth).to(device),
-            cache_rows=(self.start[seq] + self.cached[seq] + slot).to(device),
-            cu_seqlens=tuple(cu.tolist()),
-            kv_starts=tuple(self.start[present].tolist()),
-            kv_lens=tuple(kv_lens),
-            attn_masks=tuple(masks),
-        )
-        logits = self.runner.forward(batch).logits  # [R, vocab] in grouped order
-        self.proposer.forwards += 1
-        out = torch.empty_like(logits)
-        out[order.to(device)] = logits
-        return out

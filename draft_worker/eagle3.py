@@ -20,8 +20,8 @@ for the whole batch at once:
 
     prefill   one forward over every sequence's uncached rows (ending in the root): the root's
               draft logits and output hidden
-    expand    one forward per depth (`tree_builder.build_trees`, or `_draft_chains` when every
-              budget is a chain); a child row is (its token, its parent's output hidden)
+    expand    one forward per depth (`tree_builder.build_trees`, or `model_drafting.draft_chains`
+              when every budget is a chain); a child row is (its token, its parent's output hidden)
 
 Draft logits cover the head's reduced vocabulary (`d2t`: target id = draft id + d2t[id]);
 trees get full-vocabulary logits with -inf outside it, so q is exactly what was drafted from.
@@ -37,12 +37,18 @@ from pathlib import Path
 
 import torch
 
-from outrider.draft_worker.draft_model import NO_DRAFT, _TreeScratch, chain_tree, check_model_options
 from outrider.draft_worker.eagle_head import EagleHead, eagle3_layer_ids, load_head, rope_table
+from outrider.draft_worker.model_drafting import (
+    NO_DRAFT,
+    ChainStep,
+    HiddenHandoffScratch,
+    check_model_options,
+    draft_chains,
+)
 from outrider.draft_worker.proposer import Proposer, register_proposer, root_only_tree
-from outrider.draft_worker.tree_builder import Frontier, build_trees, draft_generator
-from outrider.proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate, TreeBudget
-from outrider.target_worker.batch import ForwardBatch, ForwardOutput, SequenceChunk, build_forward_batch
+from outrider.draft_worker.tree_builder import build_trees, draft_generator
+from outrider.proto import CandidateTree, FeatureSpec, SequenceUpdate, TreeBudget
+from outrider.target_worker.batch import ForwardBatch, SequenceChunk, build_forward_batch
 from outrider.target_worker.kv_cache import CacheFullError, KVCache, KVSpec
 from outrider.target_worker.loader import DTYPES
 
@@ -70,44 +76,6 @@ class EagleState:
     g: torch.Tensor | None = None  # [len(tokens), H] the row input of each token (fc of its features)
     start: int | None = None  # first row of the KV extent; None = not admitted
     cached: int = 0  # tokens[:cached] have their K/V in the extent
-
-
-class _HeadRunner:
-    """What `draft_model._TreeScratch` drives: forward(batch) -> logits, with the rows' input
-    hidden handed over in `hidden_in` and their output kept in `hidden_out`."""
-
-    def __init__(self, proposer: Eagle3Proposer):
-        self.proposer = proposer
-        self.hidden_in: torch.Tensor | None = None
-        self.hidden_out: torch.Tensor | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return self.proposer.device
-
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        self.hidden_out = self.proposer.head_forward(batch, self.hidden_in)
-        return ForwardOutput(logits=self.proposer.full_logits(self.hidden_out))
-
-
-class _EagleTreeScratch(_TreeScratch):
-    """`_TreeScratch` (scratch rows, ancestor masks) plus EAGLE's hidden hand-off: each row's
-    input hidden is its parent's output (the root's for depth 1)."""
-
-    def __init__(self, proposer: Eagle3Proposer, states, root_hidden: torch.Tensor):
-        super().__init__(proposer, states)
-        self.parent_hidden = root_hidden  # [batch, H] at depth 1, then [previous rows, H]
-
-    def __call__(self, frontier: Frontier) -> torch.Tensor:
-        device = self.parent_hidden.device
-        index = frontier.seq_index if frontier.depth == 1 else frontier.parent_row
-        order = frontier.seq_index.cpu().argsort(stable=True).to(device)  # as _TreeScratch groups rows
-        self.runner.hidden_in = self.parent_hidden[index.to(device)][order]
-        logits = super().__call__(frontier)
-        out = torch.empty_like(self.runner.hidden_out)
-        out[order] = self.runner.hidden_out
-        self.parent_hidden = out
-        return logits
 
 
 @register_proposer("eagle3")
@@ -140,7 +108,6 @@ class Eagle3Proposer(Proposer[EagleState]):
         )
         self.cache = KVCache(spec, options.kv_cache_rows or 32 * self.extent_rows, self.device)
         self.draft_ids = self.head.draft_ids  # [Vd] target id of each draft id
-        self.runner = _HeadRunner(self)
         self.forwards = 0  # draft forward passes so far
 
     def _extra_rows(self) -> int:
@@ -225,6 +192,11 @@ class Eagle3Proposer(Proposer[EagleState]):
         self.forwards += 1
         return self.head(batch, hidden, self.cache.layers)
 
+    def _tree_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(full-vocabulary logits, output hidden) of tree rows taking `hidden` [rows, H] in."""
+        out = self.head_forward(batch, hidden)
+        return self.full_logits(out), out
+
     @torch.inference_mode()
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, H] output hidden -> [R, vocab] logits, -inf outside the draft vocabulary."""
@@ -271,11 +243,12 @@ class Eagle3Proposer(Proposer[EagleState]):
         budgets = self._budgets(updates, states, drafting)
         if all(b.top_k <= 1 for b in budgets) and all(u.sampling.greedy for u in updates):
             return self._draft_chains(updates, states, budgets, hidden)
-        return build_trees(
+        scratch = HiddenHandoffScratch(self._tree_forward, self.device, self.scratch_rows, states, hidden)
+        return build_trees(  # head_forward counts the forwards
             updates,
             budgets,
             self.full_logits(hidden),
-            _EagleTreeScratch(self, states, hidden),
+            scratch,
             sampled_mode=self.config.sampled_mode,
             generators=[s.generator for s in states],
         )
@@ -287,34 +260,21 @@ class Eagle3Proposer(Proposer[EagleState]):
         budgets: Sequence[TreeBudget],
         hidden: torch.Tensor,  # [batch, H] the roots' output hidden
     ) -> list[CandidateTree]:
-        """The builder's top_k = 1 trees without its ranking (as `draft_model._draft_chains`):
-        each child is the argmax; q is its softmax probability when greedy, else a point mass."""
-        lengths = [min(b.max_depth, b.max_nodes - 1) if b.top_k == 1 else 0 for b in budgets]
-        drafts: list[list[int]] = [[] for _ in updates]
-        probs: list[list[float]] = [[] for _ in updates]
-        active = [b for b, n in enumerate(lengths) if n > 0]
-        out = hidden[active]
-        for depth in range(max(lengths, default=0)):
-            top_prob, draft_id = self.head.logits(out).float().softmax(-1).max(-1)
-            tokens = self.draft_ids[draft_id]
-            for b, t, q in zip(active, tokens.tolist(), top_prob.tolist(), strict=True):
-                drafts[b].append(t)
-                probs[b].append(q if updates[b].sampling.greedy else 1.0)
-            keep = [i for i, b in enumerate(active) if lengths[b] > depth + 1]
-            if not keep:
-                break
-            active = [active[i] for i in keep]
-            chunks = [
-                SequenceChunk(states[b].start, states[b].cached + depth, torch.tensor(drafts[b][-1:]))
-                for b in active
-            ]
-            batch = build_forward_batch(chunks, device=self.device)
-            out = self.head_forward(batch, out[keep])
-        return [
-            chain_tree(
-                u, d, p, DraftSampling.DETERMINISTIC if u.sampling.greedy else self.config.sampled_mode
-            )
-            if d
-            else root_only_tree(u)
-            for u, d, p in zip(updates, drafts, probs, strict=True)
-        ]
+        """`draft_chains` over the head: each step's row takes its parent's output hidden, and
+        logits over the reduced vocabulary map to target ids (`draft_ids`)."""
+        carried = hidden  # [rows still drafting, H] their newest output hidden
+
+        def first(active: list[int]) -> torch.Tensor:
+            nonlocal carried
+            carried = hidden[active]
+            return self.head.logits(carried)
+
+        def step(chain: ChainStep) -> torch.Tensor:
+            nonlocal carried
+            batch = build_forward_batch(chain.decode_chunks(states), device=self.device)
+            carried = self.head_forward(batch, carried[chain.keep])
+            return self.head.logits(carried)
+
+        return draft_chains(
+            updates, budgets, first, step, sampled_mode=self.config.sampled_mode, token_ids=self.draft_ids
+        )

@@ -28,7 +28,7 @@ committed rows are exact and a round only prefills the delta:
               module reused autoregressively, its own output standing in for the target's
               not-yet-computed hidden state (the target has not run the root yet)
     tree      with top_k > 1, EAGLE-2 trees through `tree_builder.build_trees`, one forward
-              per depth for the batch (draft_model's `_TreeScratch`): node j is the row
+              per depth for the batch (`model_drafting.HiddenHandoffScratch`): node j is the row
               (its token, y of its parent's row) at position root + depth, in scratch row
               start + L + j, attending to the context and its own ancestors; its q row is
               the builder's, drawn from exactly as sent, so sampled verification is lossless
@@ -57,17 +57,18 @@ from pathlib import Path
 
 import torch
 
-from outrider.draft_worker.draft_model import (
+from outrider.draft_worker.model_drafting import (
     NO_DRAFT,
-    _TreeScratch,
-    chain_tree,
+    ChainStep,
+    HiddenHandoffScratch,
     check_model_options,
+    draft_chains,
     draft_vocabulary,
 )
 from outrider.draft_worker.proposer import Proposer, register_proposer, root_only_tree
-from outrider.draft_worker.tree_builder import Frontier, build_trees, draft_generator
-from outrider.proto import CandidateTree, DraftSampling, FeatureSpec, SequenceUpdate
-from outrider.target_worker.batch import ForwardBatch, ForwardOutput, SequenceChunk, build_forward_batch
+from outrider.draft_worker.tree_builder import build_trees, draft_generator
+from outrider.proto import CandidateTree, FeatureSpec, SequenceUpdate, TreeBudget
+from outrider.target_worker.batch import ForwardBatch, SequenceChunk, build_forward_batch
 from outrider.target_worker.kv_cache import CacheFullError, KVCache, KVSpec
 from outrider.target_worker.layers.attention import SeqAttention, plan_attention
 from outrider.target_worker.layers.fp8 import maybe_fp8
@@ -199,7 +200,6 @@ class MTPProposer(Proposer[MTPState]):
         self.module = MTPModule(options.model, dtype, self.device, self.extent_rows)
         spec = KVSpec(num_layers=1, buffers=self.module.buffers, dtype=self.module.dtype)
         self.cache = KVCache(spec, options.kv_cache_rows or 32 * self.extent_rows, self.device)
-        self.runner = _MTPRunner(self)  # what the tree scratch drives (draft_model's `_TreeScratch`)
         self.forwards = 0
 
     @property
@@ -243,19 +243,21 @@ class MTPProposer(Proposer[MTPState]):
             return [root_only_tree(u) for u in updates]
         logits, hidden = self._prefill([states[b] for b in drafting])
         if all(budgets[b].top_k == 1 and updates[b].sampling.greedy for b in drafting):
-            lengths = [min(b.max_depth, b.max_nodes - 1) for b in budgets]
-            return self._draft_chains(updates, states, lengths, drafting, logits, hidden)
+            return self._draft_chains(updates, states, budgets, logits, hidden)
         root_logits = torch.zeros(len(updates), logits.shape[1], dtype=logits.dtype, device=logits.device)
         root_y = torch.zeros(len(updates), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
         root_logits[drafting], root_y[drafting] = logits, hidden
-        return build_trees(
+        scratch = HiddenHandoffScratch(self._run, self.device, self.scratch_rows, states, root_y)
+        trees = build_trees(
             updates,
             budgets,
             root_logits,
-            _MTPTreeScratch(self, states, root_y),
+            scratch,
             sampled_mode=self.config.sampled_mode,
             generators=[s.generator for s in states],
         )
+        self.forwards += scratch.forwards
+        return trees
 
     def _admit(self, state: MTPState) -> bool:
         if state.broken or len(state.tokens) > self.max_model_len:
@@ -298,71 +300,21 @@ class MTPProposer(Proposer[MTPState]):
         self,
         updates: Sequence[SequenceUpdate],
         states: Sequence[MTPState],
-        lengths: list[int],
-        active: list[int],
-        logits: torch.Tensor,  # [len(active), V] from each root's row
-        hidden: torch.Tensor,  # [len(active), H] y of each root's row
+        budgets: Sequence[TreeBudget],
+        logits: torch.Tensor,  # [drafting rows, V] from each root's row
+        hidden: torch.Tensor,  # [drafting rows, H] y of each root's row
     ) -> list[CandidateTree]:
-        """Chains of argmax drafts, as `draft_model`'s: q = the softmax top probability when
-        greedy, else a point mass (1.0), which the verifier accepts with p(x)."""
-        drafts: list[list[int]] = [[] for _ in updates]
-        probs: list[list[float]] = [[] for _ in updates]
-        for depth in range(max(lengths)):
-            top_prob, token = logits.float().softmax(-1).max(-1)
-            for b, t, q in zip(active, token.tolist(), top_prob.tolist(), strict=True):
-                drafts[b].append(t)
-                probs[b].append(q if updates[b].sampling.greedy else 1.0)
-            keep = [i for i, b in enumerate(active) if lengths[b] > depth + 1]
-            if not keep:
-                break
-            active, hidden = [active[i] for i in keep], hidden[keep]
-            chunks = [
-                SequenceChunk(states[b].start, states[b].cached + depth, torch.tensor(drafts[b][-1:]))
-                for b in active
-            ]
-            logits, hidden = self._forward(build_forward_batch(chunks, device=self.device), hidden)
-        return [
-            chain_tree(
-                u, d, p, DraftSampling.DETERMINISTIC if u.sampling.greedy else self.config.sampled_mode
-            )
-            if d
-            else root_only_tree(u)
-            for u, d, p in zip(updates, drafts, probs, strict=True)
-        ]
+        """`draft_chains` over the module, reused autoregressively: each step's row takes the
+        previous row's y in place of the target's hidden state (module docstring)."""
+        carried = hidden  # [rows still drafting, H] their newest y
 
+        def step(chain: ChainStep) -> torch.Tensor:
+            nonlocal carried
+            batch = build_forward_batch(chain.decode_chunks(states), device=self.device)
+            next_logits, carried = self._forward(batch, carried[chain.keep])
+            return next_logits
 
-class _MTPRunner:
-    """What `draft_model._TreeScratch` drives: forward(batch) -> logits, each row's input
-    hidden handed over in `hidden_in` and its y kept in `hidden_out` (as eagle3's)."""
-
-    def __init__(self, proposer: MTPProposer):
-        self.proposer = proposer
-        self.hidden_in: torch.Tensor | None = None  # [rows, H]
-        self.hidden_out: torch.Tensor | None = None  # [rows, H]
-
-    @property
-    def device(self) -> torch.device:
-        return self.proposer.device
-
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        logits, self.hidden_out = self.proposer._run(batch, self.hidden_in)
-        return ForwardOutput(logits=logits)
-
-
-class _MTPTreeScratch(_TreeScratch):
-    """`_TreeScratch` (scratch rows, ancestor masks) plus the MTP hand-off: each row's input
-    hidden is its parent row's y (the root's for depth 1)."""
-
-    def __init__(self, proposer: MTPProposer, states: Sequence[MTPState], root_y: torch.Tensor):
-        super().__init__(proposer, states)
-        self.parent_y = root_y  # [batch, H] at depth 1, then [rows of the previous call, H]
-
-    def __call__(self, frontier: Frontier) -> torch.Tensor:  # [frontier.num_rows, vocab]
-        device = self.parent_y.device
-        index = frontier.seq_index if frontier.depth == 1 else frontier.parent_row
-        order = frontier.seq_index.cpu().argsort(stable=True).to(device)  # as _TreeScratch groups rows
-        self.runner.hidden_in = self.parent_y[index.to(device)][order]
-        logits = super().__call__(frontier)
-        self.parent_y = torch.empty_like(self.runner.hidden_out)
-        self.parent_y[order] = self.runner.hidden_out
-        return logits
+        # Every drafting row has a chain (depth and nodes left, top_k 1): `first` gets exactly them.
+        return draft_chains(
+            updates, budgets, lambda active: logits, step, sampled_mode=self.config.sampled_mode
+        )

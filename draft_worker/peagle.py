@@ -27,11 +27,11 @@ from collections.abc import Sequence
 
 import torch
 
-from outrider.draft_worker.draft_model import chain_tree
 from outrider.draft_worker.eagle3 import Eagle3Proposer, EagleState
+from outrider.draft_worker.model_drafting import draft_chains
 from outrider.draft_worker.proposer import register_proposer, root_only_tree
 from outrider.draft_worker.tree_builder import Frontier, build_trees
-from outrider.proto import CandidateTree, DraftSampling, SequenceUpdate
+from outrider.proto import CandidateTree, SequenceUpdate
 from outrider.target_worker.batch import SequenceChunk, build_forward_batch
 
 
@@ -63,7 +63,14 @@ class PEagleProposer(Eagle3Proposer):
         if live:
             logits[live, :depth] = self._parallel_logits([states[b] for b in live], depth)
         if all(b.top_k <= 1 for b in budgets) and all(u.sampling.greedy for u in updates):
-            return self._chains(updates, budgets, logits)  # sampled chains: the builder's wide q rows
+            # The argmax of each position, no forward per step (sampled chains: the builder's wide q rows).
+            return draft_chains(
+                updates,
+                budgets,
+                lambda active: logits[active, 0],
+                lambda chain: logits[chain.rows, chain.depth + 1],
+                sampled_mode=self.config.sampled_mode,
+            )
 
         def position_logits(frontier: Frontier) -> torch.Tensor:  # [rows, vocab]: position d's
             return logits[frontier.seq_index.to(self.device), frontier.depth]
@@ -93,18 +100,3 @@ class PEagleProposer(Eagle3Proposer):
             rows.append(out[end - depth : end])
             s.cached = len(s.tokens)  # the placeholders' rows are scratch, overwritten next round
         return self.full_logits(torch.cat(rows)).view(len(states), depth, -1)
-
-    def _chains(self, updates, budgets, logits: torch.Tensor) -> list[CandidateTree]:
-        """Argmax of each position; q = its softmax probability when greedy, else a point mass."""
-        top_prob, tokens = logits.softmax(-1).max(-1)  # [batch, depth]
-        trees = []
-        for b, update in enumerate(updates):
-            n = min(budgets[b].max_depth, budgets[b].max_nodes - 1) if budgets[b].top_k == 1 else 0
-            if n <= 0:
-                trees.append(root_only_tree(update))
-                continue
-            greedy = update.sampling.greedy
-            probs = top_prob[b, :n].tolist() if greedy else [1.0] * n
-            mode = DraftSampling.DETERMINISTIC if greedy else self.config.sampled_mode
-            trees.append(chain_tree(update, tokens[b, :n].tolist(), probs, mode))
-        return trees

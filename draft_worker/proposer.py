@@ -22,7 +22,12 @@ vLLM `speculative_config` method name:
     proposer = build_proposer({"method": "ngram", "num_speculative_tokens": 4}, vocab_size=V)
 
 Model-based proposers draft through `tree_builder.build_trees`, which needs one batched
-`logits_fn` from them; see that module.
+`logits_fn` from them; see that module, and `model_drafting` for what they share.
+
+The speculation cache (`draft_worker.speculation`) drafts from hypothetical extensions of a
+sequence's state through a declared protocol (`Speculative`: speculate, adopt, release_state),
+which `Proposer` implements by forking states. What it asks of a single draft call (outcome
+rows, an interrupt) travels as that call's `DraftHints`, never as attributes on the proposer.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import copy
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -51,26 +56,55 @@ class SpeculationInterrupted(Exception):
     """A guess (`Proposer.speculate`) was abandoned because a real round is waiting."""
 
 
+@dataclass(frozen=True)
+class DraftHints:
+    """What the speculation cache asks of one `propose` / `speculate` call; a method that cannot
+    honour a hint ignores it (the cache then probes, or waits for the whole guess)."""
+
+    # Greedy chains also carry q rows that name likely verify outcomes (runner-up tokens, the q
+    # after the last draft) at the price of one more draft step, so the cache ranks outcomes
+    # without probes.
+    outcome_rows: bool = False
+    # While speculating: True once a real round is waiting. A method that drafts in steps calls
+    # `check_interrupted` between them, so a real round waits for one draft step, not a guess.
+    interrupted: Callable[[], bool] | None = None
+
+    def check_interrupted(self) -> None:
+        """Between draft steps: raise `SpeculationInterrupted` when a real round is waiting."""
+        if self.interrupted is not None and self.interrupted():
+            raise SpeculationInterrupted
+
+
+NO_HINTS = DraftHints()
+
+
+class Speculative(Protocol[StateT]):
+    """What the speculation cache needs from a proposer: trees drafted from hypothetical next
+    updates of a sequence, each with the state it was drafted from, without touching the held
+    state; then that state installed (a guess came true) or freed (it will never be used)."""
+
+    def speculate(
+        self, seq_id: int, updates: Sequence[SequenceUpdate], hints: DraftHints = NO_HINTS
+    ) -> list[tuple[CandidateTree, StateT]] | None: ...
+
+    def adopt(self, seq_id: int, state: StateT) -> None: ...
+
+    def release_state(self, state: StateT) -> None: ...
+
+    def retire_changes_shared_state(self) -> bool: ...
+
+
 class Proposer(abc.ABC, Generic[StateT]):
     method: ClassVar[str] = ""  # set by @register_proposer
     Options: ClassVar[type] = NoOptions  # the method's own config keys, as dataclass fields
     default_num_speculative_tokens: ClassVar[int | None] = None  # None: the key is required
     can_fork: ClassVar[bool] = True  # False: `fork_state` always returns None (no speculation cache)
     # Whether `retire` changes what other sequences draft from (suffix's shared trie), which
-    # makes every pre-drafted tree stale (spec_cache); None = assume so iff `retire` is overridden.
+    # makes every pre-drafted tree stale (speculation); None = assume so iff `retire` is overridden.
     retire_shares_state: ClassVar[bool | None] = None
 
     def __init__(self, config: SpeculativeConfig, *, vocab_size: int, device: torch.device | str = "cpu"):
         self.config = config
-        # Set by the speculation cache (draft_worker.spec_cache): greedy chains then carry q
-        # rows that name likely verify outcomes (runner-up tokens, the q after the last draft)
-        # at the price of one more draft step, so the cache ranks outcomes without probes.
-        # Methods that ignore it leave the cache to probe.
-        self.outcome_rows = False
-        # Also set by the speculation cache while it speculates: True once a real round is
-        # waiting. A method that drafts in steps checks it between them and raises
-        # `SpeculationInterrupted`, so a real round waits for one draft step, not a whole guess.
-        self.interrupted: Callable[[], bool] | None = None
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._states: dict[int, StateT] = {}
@@ -94,7 +128,7 @@ class Proposer(abc.ABC, Generic[StateT]):
         """Sequences whose draft state is held."""
         return len(self._states)
 
-    def propose(self, updates: Sequence[SequenceUpdate]) -> list[CandidateTree]:
+    def propose(self, updates: Sequence[SequenceUpdate], hints: DraftHints = NO_HINTS) -> list[CandidateTree]:
         """One tree per update that is not `finished`, in the order of `updates`."""
         live: list[SequenceUpdate] = []
         states: list[StateT] = []
@@ -112,9 +146,9 @@ class Proposer(abc.ABC, Generic[StateT]):
             self.extend(state, update)
             live.append(update)
             states.append(state)
-        return self.draft(live, states) if live else []
+        return self.draft_with_hints(live, states, hints) if live else []
 
-    # ---- speculation (draft_worker.spec_cache): drafting from a hypothetical extension ----
+    # ---- speculation (the `Speculative` protocol): drafting from a hypothetical extension ----
 
     def fork_state(self, state: StateT) -> StateT | None:
         """An independent copy of `state` to extend and draft from; None = cannot fork (no speculation).
@@ -125,7 +159,7 @@ class Proposer(abc.ABC, Generic[StateT]):
         return copy.deepcopy(state)
 
     def speculate(
-        self, seq_id: int, updates: Sequence[SequenceUpdate]
+        self, seq_id: int, updates: Sequence[SequenceUpdate], hints: DraftHints = NO_HINTS
     ) -> list[tuple[CandidateTree, StateT]] | None:
         """Trees for hypothetical next updates of one sequence, each drafted from a fork of its state.
 
@@ -137,12 +171,7 @@ class Proposer(abc.ABC, Generic[StateT]):
         if made is None:
             return None
         forks = made[1]
-        return list(zip(self.draft(updates, forks), forks, strict=True))
-
-    def check_interrupted(self) -> None:
-        """Between draft steps: raise `SpeculationInterrupted` when a real round is waiting."""
-        if self.interrupted is not None and self.interrupted():
-            raise SpeculationInterrupted
+        return list(zip(self.draft_with_hints(updates, forks, hints), forks, strict=True))
 
     def _extended_forks(
         self, seq_id: int, updates: Sequence[SequenceUpdate]
@@ -176,6 +205,13 @@ class Proposer(abc.ABC, Generic[StateT]):
         The speculation cache calls this once for every fork it discards; the default does nothing.
         """
 
+    def retire_changes_shared_state(self) -> bool:
+        """Whether `retire` changes what other sequences draft from, so that every pre-drafted
+        tree goes stale (`retire_shares_state`; unset = iff this class overrides `retire`)."""
+        if self.retire_shares_state is not None:
+            return self.retire_shares_state
+        return type(self).retire is not Proposer.retire
+
     def budget(self, update: SequenceUpdate) -> TreeBudget:
         """This round's budget, never past the tree shape this drafter was configured for."""
         ours, theirs = self.config.budget, update.budget
@@ -183,7 +219,7 @@ class Proposer(abc.ABC, Generic[StateT]):
             max_nodes=min(ours.max_nodes, theirs.max_nodes),
             max_depth=min(ours.max_depth, theirs.max_depth),
             top_k=min(ours.top_k, theirs.top_k),
-            q_width=min(ours.row_width, theirs.row_width),
+            q_width=min(ours.q_width, theirs.q_width),
         )
 
     @abc.abstractmethod
@@ -200,6 +236,16 @@ class Proposer(abc.ABC, Generic[StateT]):
     @abc.abstractmethod
     def draft(self, updates: Sequence[SequenceUpdate], states: Sequence[StateT]) -> list[CandidateTree]:
         """One tree per update, for the whole batch at once; states are already extended."""
+
+    def draft_with_hints(
+        self, updates: Sequence[SequenceUpdate], states: Sequence[StateT], hints: DraftHints
+    ) -> list[CandidateTree]:
+        """`draft`, for a call that carries the speculation cache's hints (`propose`, `speculate`).
+
+        The default ignores them; a method that can honour them (draft_model: outcome rows,
+        an interrupt checked between draft steps) overrides this instead.
+        """
+        return self.draft(updates, states)
 
 
 def root_only_tree(update: SequenceUpdate) -> CandidateTree:
@@ -256,6 +302,16 @@ def known_methods() -> list[str]:
     return sorted(_PROPOSERS)
 
 
+def proposer_class(method: object) -> type[Proposer]:
+    """The class registered under `method`; ValueError naming the known methods otherwise."""
+    _load_builtins()
+    if method not in _PROPOSERS:
+        raise ValueError(
+            f"unknown speculative method {method!r}; known methods: {', '.join(known_methods())}"
+        )
+    return _PROPOSERS[method]
+
+
 def build_proposer(
     config: Mapping[str, Any], *, vocab_size: int, device: torch.device | str = "cpu"
 ) -> Proposer:
@@ -266,11 +322,5 @@ def build_proposer(
 
 def parse_speculative_config(config: Mapping[str, Any]) -> SpeculativeConfig:
     """Check a vLLM-style dict against its method's keys without building anything (config edges)."""
-    method = config.get("method")
-    _load_builtins()
-    if method not in _PROPOSERS:
-        raise ValueError(
-            f"unknown speculative method {method!r}; known methods: {', '.join(known_methods())}"
-        )
-    cls = _PROPOSERS[method]
+    cls = proposer_class(config.get("method"))
     return SpeculativeConfig.from_dict(config, cls.Options, cls.default_num_speculative_tokens)

@@ -7,11 +7,16 @@
 `cluster/cli.py` owns the command map; it calls `add_draft_server_parser(commands, ...)` and
 passes a `resolve_demo` callback that turns `--demo SIZE` into the demo family's folders,
 since draft_worker must not import cluster (DESIGN.md, "Layout").
+
+A user mistake (an unknown method or option, a missing folder, half a TLS pair) raises
+`ValueError` or `FileNotFoundError` with a one-line message, which the `outrider` entry point
+prints as `outrider: error: ...`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -84,11 +89,11 @@ def add_draft_server_parser(
 
 def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None = None) -> int:
     from outrider.draft_worker.server import DraftIdentity, ServerTls, serve
-    from outrider.draft_worker.spec_cache import SpecCacheConfig
+    from outrider.draft_worker.speculation import SpecCacheConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model_dir, tokenizer_dir, model_id = _model_folders(args, resolve_demo)
-    config = json.loads(args.speculative_config)
+    config = _speculative_options(args.speculative_config)
     if args.num_speculative_tokens is not None:
         config["num_speculative_tokens"] = args.num_speculative_tokens
     proposer = build_server_proposer(args.method, config, model_dir, tokenizer_dir)
@@ -103,11 +108,11 @@ def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None
     tls = None
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
-            raise SystemExit("--tls-cert and --tls-key go together")
+            raise ValueError("--tls-cert and --tls-key go together")
         client_ca = Path(args.tls_client_ca).read_bytes() if args.tls_client_ca else None
         tls = ServerTls(Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes(), client_ca)
     elif args.tls_client_ca:
-        raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
     token = Path(args.token_file).read_text().strip() if args.token_file else None
     server = serve(
         proposer,
@@ -131,18 +136,33 @@ def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None
 def build_server_proposer(
     method: str, options: dict[str, Any], model_dir: Path | None, tokenizer_dir: Path
 ) -> Proposer:
-    """The proposer for `method` with vLLM-style `options`; `model` goes only to methods taking one."""
-    from outrider.draft_worker import build_proposer
+    """The proposer for `method` with vLLM-style `options`; `model` goes only to methods taking one.
 
+    K (`num_speculative_tokens`) defaults to the method's own default, else to
+    `proto.DEFAULT_NUM_SPECULATIVE_TOKENS`, the serving config's default too.
+    """
+    from outrider.draft_worker.proposer import build_proposer, proposer_class
+    from outrider.proto import DEFAULT_NUM_SPECULATIVE_TOKENS
+
+    cls = proposer_class(method)
     config = {"method": method, **options}
-    vocab_size = _vocab_size(model_dir, tokenizer_dir)
-    if model_dir is not None and "model" not in config:
-        try:
-            return build_proposer(config | {"model": str(model_dir)}, vocab_size=vocab_size)
-        except ValueError as error:
-            if "unknown keys ['model']" not in str(error):
-                raise  # model-free methods (ngram, suffix) refuse the key; anything else is real
-    return build_proposer(config, vocab_size=vocab_size)
+    if cls.default_num_speculative_tokens is None:
+        config.setdefault("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
+    takes_model = "model" in {f.name for f in dataclasses.fields(cls.Options)}
+    if model_dir is not None and takes_model:  # model-free methods (ngram, suffix) refuse the key
+        config.setdefault("model", str(model_dir))
+    return build_proposer(config, vocab_size=_vocab_size(model_dir, tokenizer_dir))
+
+
+def _speculative_options(text: str) -> dict[str, Any]:
+    """`--speculative-config`: a JSON object of vLLM-style keys."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--speculative-config is not valid JSON ({error})") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, not {text!r}")
+    return options
 
 
 def _model_folders(
@@ -151,13 +171,15 @@ def _model_folders(
     """(draft checkpoint or None, tokenizer folder, the id the handshake reports)."""
     if args.demo:
         if resolve_demo is None:
-            raise SystemExit("--demo is not available here: this entry point has no demo resolver")
+            raise ValueError("--demo is not available here: this entry point has no demo resolver")
         draft_dir, tokenizer_dir = resolve_demo(args.demo, args.method)
         return draft_dir, Path(args.tokenizer or tokenizer_dir), f"demo-{args.demo}-{args.method}"
     model_dir = Path(args.model) if args.model else None
+    if model_dir is not None and not model_dir.is_dir():
+        raise FileNotFoundError(f"--model {model_dir}: no such folder")
     tokenizer_dir = args.tokenizer or model_dir
     if tokenizer_dir is None:
-        raise SystemExit("give --tokenizer (or --model / --demo): the handshake needs the vocabulary")
+        raise ValueError("give --tokenizer (or --model / --demo): the handshake needs the vocabulary")
     model_id = f"{model_dir.name}-{args.method}" if model_dir else args.method
     return model_dir, Path(tokenizer_dir), model_id
 
@@ -168,4 +190,9 @@ def _vocab_size(model_dir: Path | None, tokenizer_dir: Path) -> int:
         return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    tokenizer_file = tokenizer_dir / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(
+            f"{tokenizer_file}: no such file (give --tokenizer DIR, a folder holding one)"
+        )
+    return Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)

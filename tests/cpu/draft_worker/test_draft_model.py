@@ -9,7 +9,8 @@ from draft_testlib import assert_valid, depths
 
 import outrider.draft_worker.draft_model  # noqa: F401 - registers `draft_model`
 from outrider.draft_worker import build_proposer
-from outrider.draft_worker.draft_model import DraftModelProposer, draft_vocabulary
+from outrider.draft_worker.draft_model import DraftModelProposer
+from outrider.draft_worker.model_drafting import draft_vocabulary
 from outrider.kernels import process_logits
 from outrider.proto import CandidateTree, SamplingParams, SequenceUpdate, TreeBudget
 from outrider.target_worker.batch import SequenceChunk, build_forward_batch
@@ -224,7 +225,7 @@ def test_speculation_takes_no_rows_and_leaks_none_over_many_rounds(draft_dir, se
     cache on: a miss drafts as if nothing was speculated, and once every sequence finishes
     every KV row is free again. Forks draft batched in scratch extents, or, in a cache with
     room for the four sequences only, one at a time in their sequence's extent."""
-    from outrider.draft_worker.spec_cache import SpecCache, SpecCacheConfig, supports_speculation
+    from outrider.draft_worker.speculation import SpecCache, SpecCacheConfig, supports_speculation
 
     rows_for_four = {"kv_cache_rows": 4 * (128 + 3 * 3)} if serial else {}
     proposer, plain = make(draft_dir, TREE, **rows_for_four), make(draft_dir, TREE)
@@ -234,7 +235,8 @@ def test_speculation_takes_no_rows_and_leaks_none_over_many_rounds(draft_dir, se
     assert supports_speculation(proposer) and rows.free_rows == rows.total_rows
     ctxs = contexts(4, seed=5)
     updates = [update(i, c, proposer=proposer) for i, c in enumerate(ctxs)]
-    trees = proposer.propose(updates)
+    hints = cache.draft_hints()  # as the server's real rounds carry them
+    trees = proposer.propose(updates, hints)
     plain.propose(updates)
     gen = torch.Generator().manual_seed(5)
     for round in range(1, 16):
@@ -254,7 +256,7 @@ def test_speculation_takes_no_rows_and_leaks_none_over_many_rounds(draft_dir, se
             nxt.append(update(i, delta, proposer=proposer, round=round, reset=i == 1 and round == 6))
         hits = [cache.lookup(u) for u in nxt]
         missed = [u for u, h in zip(nxt, hits, strict=True) if h is None]
-        drafted = iter(proposer.propose(missed))
+        drafted = iter(proposer.propose(missed, cache.draft_hints()))
         trees = [h if h is not None else next(drafted) for h in hits]
         reference = plain.propose(nxt)  # the same history without speculation drafts the same trees
         for a, b in zip(trees, reference, strict=True):
@@ -284,16 +286,17 @@ def test_a_fork_past_max_model_len_or_without_an_extent_leaves_the_sequence_alon
 
 
 def test_outcome_rows_name_the_runner_up_and_the_q_after_the_last_draft(draft_dir, reference):
-    """With `outcome_rows` (the speculation cache sets it) a greedy chain's q rows are the draft's
+    """With `outcome_rows` (the speculation cache asks for them) a greedy chain's q rows are the draft's
     top 2 at every node, the leaf included, so the cache ranks outcomes without probing."""
-    from outrider.draft_worker.spec_cache import SpecCache, SpecCacheConfig
+    from outrider.draft_worker.speculation import SpecCache, SpecCacheConfig
 
     proposer = make(draft_dir, CHAIN)
     cache = SpecCache(proposer, SpecCacheConfig(max_outcomes=4))
-    assert proposer.outcome_rows
+    hints = cache.draft_hints()
+    assert hints.outcome_rows
     context = contexts(1, seed=9)[0]
     first = update(0, context, proposer=proposer)
-    (tree,) = proposer.propose([first])
+    (tree,) = proposer.propose([first], hints)
     assert tree.num_nodes == 5 and tree.q_nodes.tolist() == [0, 1, 2, 3, 4]  # a row at the leaf too
     assert tree.q_token_ids.shape[1] == 2
     assert_q_matches(tree, context, GREEDY, reference)

@@ -1,5 +1,5 @@
 """eagle3 and peagle on the tiny demo family: heads trained by `outrider demo build`'s own code
-(`demo.heads`), served in-process and over gRPC, sampled losslessly, trained
+(`draft_worker.training.demo_heads`), served in-process and over gRPC, sampled losslessly, trained
 (loss falls, a trained head beats an untrained one on tau, resume replays the same steps),
 and published EAGLE-3 layouts (d2t/t2d, no embed_tokens) load while pickle files are refused.
 """
@@ -38,7 +38,7 @@ DATA = {"num_sequences": 48, "prompt_tokens": 32, "new_tokens": 64}  # the tiny 
 
 @pytest.fixture(scope="module")
 def heads(tiny_family):
-    from outrider.demo.heads import ensure_demo_heads
+    from outrider.draft_worker.training.demo_heads import ensure_demo_heads
 
     return ensure_demo_heads(tiny_family, ["eagle3", "peagle"], progress=False, log=lambda _: None)
 

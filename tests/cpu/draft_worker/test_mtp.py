@@ -360,8 +360,8 @@ def test_trees_through_the_grpc_draft_server_on_the_demo_head(tiny_family):
         start_server,
     )
 
-    from outrider.demo.heads import demo_head_dir
     from outrider.draft_worker.server_cli import build_server_proposer
+    from outrider.draft_worker.training.demo_heads import demo_head_dir
 
     head = demo_head_dir(tiny_family, "mtp", progress=False, log=lambda _: None)
     options = {"num_speculative_tokens": 4, **TREE_KEYS}
