@@ -30,8 +30,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from outrider.cluster.gpu_pools import GpuPoolConfig
+from outrider.proto import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_TREE_BUDGET, TreeBudget
 
-DEFAULT_SPECULATIVE_CONFIG: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4}
+DEFAULT_SPECULATIVE_CONFIG: dict[str, Any] = {
+    "method": "ngram",
+    "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS,
+}
 
 
 class _Strict(BaseModel):
@@ -214,16 +218,24 @@ class DraftPoolArgs(_Strict):
 
 
 class TreeBudgetArgs(_Strict):
-    """The most a target verifies per sequence per round (sent with every update)."""
+    """The most a target verifies per sequence per round (sent with every update).
 
-    max_nodes: int = Field(16, ge=1, description="Nodes per tree, root included.")
-    max_depth: int = Field(8, ge=1, description="Draft tokens on any root-to-leaf path.")
-    top_k: int = Field(4, ge=1, description="Children per node.")
+    Defaults are `outrider.proto.DEFAULT_TREE_BUDGET`, the engine's own.
+    """
+
+    max_nodes: int = Field(DEFAULT_TREE_BUDGET.max_nodes, ge=1, description="Nodes per tree, root included.")
+    max_depth: int = Field(
+        DEFAULT_TREE_BUDGET.max_depth, ge=1, description="Draft tokens on any root-to-leaf path."
+    )
+    top_k: int = Field(DEFAULT_TREE_BUDGET.top_k, ge=1, description="Children per node.")
     q_width: int = Field(
-        32,
+        DEFAULT_TREE_BUDGET.q_width,
         ge=1,
         description="Entries per sparse q row of sampled trees (wider: more of q, higher acceptance).",
     )
+
+    def to_budget(self) -> TreeBudget:
+        return TreeBudget(self.max_nodes, self.max_depth, self.top_k, self.q_width)
 
 
 class OutriderArgs(_Strict):
@@ -282,6 +294,11 @@ class OutriderArgs(_Strict):
             except ValueError as e:  # a model-level check: name the field in the message
                 raise ValueError(f"speculative_config: {e}") from e
         return self
+
+    @property
+    def tree_budget_limit(self) -> TreeBudget:
+        """The per-round ceiling in force: `tree_budget`, or the engine's default."""
+        return self.tree_budget.to_budget() if self.tree_budget else DEFAULT_TREE_BUDGET
 
     @property
     def speculative(self) -> dict[str, Any] | None:

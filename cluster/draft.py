@@ -3,10 +3,11 @@
 Targets talk to drafters over gRPC, not through Serve handles: a round is a bidirectional
 stream of small protobuf messages with a deadline of tens of milliseconds, which Serve's
 request path (pickled arguments, a router hop) would eat. So each replica starts
-`draft_worker.server.serve` on a port and announces `host:port` in Ray's key-value store
-under `outrider/<app>/draft/<replica>`, refreshed every few seconds; a target lists the fresh
-entries (`draft_endpoints`) and hands them to `RemoteDraftSource`, which routes each
-sequence to one of them, stickily. An entry nobody refreshed for `STALE_S` is a dead replica.
+`draft_worker.server.serve` on a port and announces `host:port`, with its counters, to the
+application's draft registry (`cluster.draft_registry`, a named Ray actor) every
+`HEARTBEAT_S`; a target lists the fresh entries and hands them to `RemoteDraftSource`, which
+routes each sequence to one of them, stickily. An entry nobody refreshed for `STALE_S` is a
+dead replica.
 
 The replica also reports its own load to the autoscaler (`record_autoscaling_stats`): Serve's
 default signal, requests in flight, would see nothing, because rounds never pass through Serve.
@@ -14,53 +15,18 @@ default signal, requests in flight, would see nothing, because rounds never pass
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 
 import ray
 from ray import serve
-from ray.experimental import internal_kv
 
+from outrider.cluster.draft_registry import HEARTBEAT_S, STALE_S, open_registry
+from outrider.cluster.messages import DraftAnnouncement
 from outrider.cluster.served_model import ServedModel
 
 log = logging.getLogger(__name__)
-HEARTBEAT_S = 2.0
-STALE_S = 10.0
-NAMESPACE = "outrider"
-
-
-def registry_prefix(app_name: str) -> str:
-    return f"outrider/{app_name}/draft/"
-
-
-def draft_announcements(app_name: str) -> list[dict]:
-    """What each draft replica of `app_name` announced recently: address, replica, counters."""
-    now, found = time.time(), []
-    for key in internal_kv._internal_kv_list(registry_prefix(app_name), namespace=NAMESPACE):
-        value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
-        if value is None:
-            continue
-        entry = json.loads(value)
-        if now - entry["time"] < STALE_S:
-            found.append(entry)
-    return sorted(found, key=lambda e: e["address"])
-
-
-def draft_endpoints(app_name: str) -> list[str]:
-    """Addresses of the draft replicas of `app_name` that announced themselves recently."""
-    return [entry["address"] for entry in draft_announcements(app_name)]
-
-
-def wait_for_draft_endpoints(app_name: str, timeout_s: float = 120.0) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = draft_endpoints(app_name)
-        if found:
-            return found
-        time.sleep(0.2)
-    raise TimeoutError(f"no draft replica of application {app_name!r} announced itself in {timeout_s:.0f} s")
 
 
 @serve.deployment(name="DraftWorker", health_check_period_s=5)
@@ -89,46 +55,46 @@ class DraftWorker:
         self.server = serve_grpc(proposer, identity, address=f"0.0.0.0:{grpc_port}", tls=tls, token=token)
         self.address = f"{ray.util.get_node_ip_address()}:{self.server.port}"
         context = serve.get_replica_context()
-        self.replica = context.replica_id.unique_id
-        self._key = registry_prefix(context.app_name) + self.replica
+        self.replica, self.app_name = f"draft-{context.replica_id.unique_id}", context.app_name
+        self._registry = None  # opened by the first heartbeat
         self._stop = threading.Event()
-        self._announce()
         threading.Thread(target=self._heartbeat, name="draft-registry", daemon=True).start()
         self._last = (time.monotonic(), 0.0, 0)  # (wall, drafting_s, batches) at the last report
         log.info("draft replica serving %s on %s", speculative_config["method"], self.address)
 
-    def _announce(self) -> None:
-        """Address and counters; the ingress's /metrics reads the counters from here too."""
+    def _announcement(self) -> DraftAnnouncement:
+        """Address and counters; the ingress's /metrics reads the counters from the registry too."""
         s = self.server.stats
-        entry = {
-            "address": self.address,
-            "replica": f"draft-{self.replica}",
-            "time": time.time(),
-            "trees_sent": s.trees_sent,
-            "cache_hits": s.spec_cache_hits,
-            "cache_lookups": s.spec_cache_hits + s.spec_cache_misses,
-            "cache_saved_s": s.spec_cache_saved_s,
-            "trees_pushed": s.trees_pushed,
-        }
-        internal_kv._internal_kv_put(
-            self._key, json.dumps(entry).encode(), overwrite=True, namespace=NAMESPACE
+        return DraftAnnouncement(
+            address=self.address,
+            replica=self.replica,
+            trees_sent=s.trees_sent,
+            cache_hits=s.spec_cache_hits,
+            cache_lookups=s.spec_cache_hits + s.spec_cache_misses,
+            cache_saved_s=s.spec_cache_saved_s,
+            trees_pushed=s.trees_pushed,
+            batches=s.batches,
+            drafting_s=s.drafting_s,
         )
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            self._announce()
+        while True:
+            try:
+                if self._registry is None:
+                    self._registry = open_registry(self.app_name)
+                # The first call waits for the registry actor to start, which takes seconds.
+                ray.get(self._registry.announce.remote(self._announcement()), timeout=STALE_S)
+            except Exception as e:  # the registry's node went away: open (re-create) it next beat
+                log.warning("draft registry unreachable: %s", e)
+                self._registry = None
+            if self._stop.wait(HEARTBEAT_S):
+                return
 
     async def endpoint(self) -> str:
         return self.address
 
-    async def stats(self) -> dict:
-        s = self.server.stats
-        return {
-            "address": self.address,
-            "batches": s.batches,
-            "trees_sent": s.trees_sent,
-            "drafting_s": s.drafting_s,
-        }
+    async def stats(self) -> DraftAnnouncement:
+        return self._announcement()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Share of wall time spent drafting since the last report: near 1, rounds queue up."""
@@ -141,8 +107,9 @@ class DraftWorker:
 
     def __del__(self) -> None:
         self._stop.set()
-        try:
-            internal_kv._internal_kv_del(self._key, namespace=NAMESPACE)
-        except Exception as e:  # Ray may already be gone at interpreter exit; the entry goes stale
-            log.debug("draft registry entry not removed: %s", e)
+        if self._registry is not None:  # otherwise the entry goes stale within STALE_S
+            try:
+                self._registry.withdraw.remote(self.replica)
+            except Exception as e:  # Ray may already be gone at interpreter exit
+                log.debug("draft registry entry not removed: %s", e)
         self.server.stop(grace_s=2.0)

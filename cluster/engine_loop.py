@@ -19,8 +19,11 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from outrider.target_worker.sequence import RequestParams
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,7 @@ class EngineOverloaded(RuntimeError):
 class _Pending:
     request_id: int
     prompt_ids: list[int]
-    params: Any  # target_worker.sequence.RequestParams
+    params: RequestParams | None  # None: the engine's defaults
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     engine_id: int = -1  # the engine's own request id, once added
@@ -46,7 +49,6 @@ class LoopStats:
     finished: int = 0
     aborted: int = 0
     step_s: float = 0.0
-    counters: dict[str, Any] = field(default_factory=dict)
 
 
 class EngineLoop:
@@ -65,7 +67,7 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ handler side
 
-    def submit(self, prompt_ids: list[int], params: Any) -> tuple[int, asyncio.Queue]:
+    def submit(self, prompt_ids: list[int], params: RequestParams | None) -> tuple[int, asyncio.Queue]:
         """Queue a request; its queue gets `RequestOutput`s, or an exception, until finished."""
         loop = asyncio.get_running_loop()
         with self._cond:

@@ -16,7 +16,7 @@ and scrapers.
 Overload is answered, never queued without bound: the target refuses a request when its own
 queue is full (`EngineOverloaded`) and Serve refuses one past `max_queued_requests`
 (`BackPressureError`); both become 429 before any byte of the response is sent, because every
-target stream opens with an empty "admitted" chunk that the ingress awaits first.
+target stream opens with an admitted `StreamChunk` that the ingress awaits first.
 """
 
 import asyncio
@@ -34,7 +34,9 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from outrider.cluster.draft_registry import draft_announcements
 from outrider.cluster.engine_loop import EngineOverloaded
+from outrider.cluster.messages import GenerateRequest
 from outrider.cluster.metrics import Metrics
 from outrider.cluster.openai_api import (
     ApiError,
@@ -137,10 +139,9 @@ class OpenAIIngress:
             self.metrics.snapshot(await asyncio.wait_for(self.target.stats.remote(), timeout=5))
         except Exception as e:  # a scrape must still answer with what is known
             log.warning("metrics: no fresh target snapshot (%s)", e)
-        try:  # draft replicas announce their counters with their address (cluster.draft)
-            from outrider.cluster.draft import draft_announcements
-
-            self.metrics.draft_snapshots(draft_announcements(serve.get_replica_context().app_name))
+        try:  # draft replicas announce their counters with their address (cluster.draft_registry)
+            app_name = serve.get_replica_context().app_name
+            self.metrics.draft_snapshots(await asyncio.to_thread(draft_announcements, app_name))
         except Exception as e:
             log.warning("metrics: draft replicas' counters unreadable (%s)", e)
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -247,18 +248,10 @@ class OpenAIIngress:
 
     async def _open(self, prompt_ids: list[int], req: SamplingFields, max_tokens: int, index: int):
         """Start one choice on the target; returns once the target admitted it."""
-        sampling = {
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "top_k": max(req.top_k, 0),
-            # n choices with one seed must differ, and stay reproducible.
-            "seed": None if req.seed is None else req.seed + index,
-        }
-        stream = self.target.options(stream=True).generate.remote(
-            {"prompt_token_ids": prompt_ids, "max_tokens": max_tokens, "sampling": sampling}
-        )
-        first = await stream.__anext__()  # the "admitted" chunk, or the overload error
-        assert first.get("admitted"), "the target's stream must open with an admitted chunk"
+        request = GenerateRequest(tuple(prompt_ids), req.request_params(max_tokens, index))
+        stream = self.target.options(stream=True).generate.remote(request)
+        first = await stream.__anext__()  # the admitted chunk, or the overload error
+        assert first.admitted, "the target's stream must open with an admitted chunk"
         return stream
 
     async def _choice(self, stream, req: SamplingFields) -> AsyncIterator[tuple[str, int, str | None]]:
@@ -266,15 +259,15 @@ class OpenAIIngress:
         detok = Detokenizer(self.tokenizer, list(req.stop))
         reason = None
         async for chunk in stream:
-            text = detok.add(chunk["token_ids"])
-            reason = chunk.get("finish_reason")
-            if chunk.get("snapshot"):
-                self.metrics.snapshot(chunk["snapshot"])
+            text = detok.add(chunk.token_ids)
+            reason = chunk.finish_reason
+            if chunk.snapshot is not None:
+                self.metrics.snapshot(chunk.snapshot)
             if detok.stopped:
                 stream.cancel()  # frees the sequence's batch slot now
-                yield text, len(chunk["token_ids"]), "stop"
+                yield text, len(chunk.token_ids), "stop"
                 return
-            yield (text + detok.flush() if reason else text), len(chunk["token_ids"]), reason
+            yield (text + detok.flush() if reason else text), len(chunk.token_ids), reason
             if reason:
                 return
 

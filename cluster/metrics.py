@@ -1,15 +1,16 @@
 """`/metrics`: Prometheus text format, vLLM's metric names under an `outrider:` prefix.
 
-Two sources, one page:
+Three sources, one page:
 
     ingress (this process)        per request: TTFT, inter-token latency, end-to-end latency,
                                   prompt/generation tokens, finished requests, API errors
-    target replicas (snapshots)   engine counters: spec_decode_* (kernels.SpecDecodeCounters),
-                                  running/waiting sequences, batch occupancy, draft round trip,
-                                  draft-side speculation-cache hits
+    target replicas               `ReplicaSnapshot`: spec_decode_* (kernels.SpecDecodeCounters),
+                                  running/waiting sequences, batch occupancy, draft round trip
+    draft replicas                `DraftAnnouncement` counters: speculation-cache hits, trees
+                                  sent and pushed (read from the draft registry)
 
-Each target replica's snapshot is cumulative since it started, so the ingress keeps the
-latest one per replica and sums them: losing a snapshot loses nothing, and a scrape that
+Each replica's counters are cumulative since it started, so the ingress keeps the latest
+ones per replica and sums them (`ReplicaSnapshot.total`): losing a snapshot loses nothing, and a scrape that
 lands on any ingress replica sees every target replica it has heard from. Latencies are
 measured at the ingress because that is what a client sees.
 
@@ -24,37 +25,11 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+
+from outrider.cluster.messages import DraftAnnouncement, ReplicaSnapshot
 
 PREFIX = "outrider:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
-
-# Snapshot keys a target replica sends -> (metric name, kind, help).
-SNAPSHOT_COUNTERS = {
-    "num_drafts": ("spec_decode_num_drafts", "Sequences verified with at least one draft token."),
-    "num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens sent to the verifier."),
-    "num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
-    "steps": ("engine_steps", "Engine steps (one verify forward each)."),
-    "draft_round_trips": ("draft_round_trips", "Rounds whose trees were collected from the draft source."),
-    "trees_missing": (
-        "draft_trees_missing",
-        "Sequence-rounds decoded without a tree (deadline, no drafter).",
-    ),
-}
-# Keys each draft replica announces with its address (`cluster.draft`) -> (metric name, help).
-DRAFT_COUNTERS = {
-    "cache_hits": ("spec_cache_hits", "Draft rounds answered from the speculation cache."),
-    "cache_lookups": ("spec_cache_lookups", "Draft rounds that looked in the speculation cache."),
-    "trees_sent": ("draft_trees_sent", "Candidate trees the draft replicas sent."),
-    "trees_pushed": (
-        "draft_trees_pushed",
-        "Pre-drafted trees the draft replicas pushed ahead of their round (speculation cache).",
-    ),
-}
-SNAPSHOT_GAUGES = {
-    "running": ("num_requests_running", "Sequences in the engine's batch."),
-    "waiting": ("num_requests_waiting", "Requests queued for a batch slot."),
-}
 
 
 @dataclass
@@ -93,8 +68,8 @@ class Metrics:
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.errors: dict[int, int] = {}
-        self.snapshots: dict[str, dict[str, Any]] = {}  # target replica -> its latest counters
-        self.drafts: dict[str, dict[str, Any]] = {}  # draft replica -> its latest counters
+        self.snapshots: dict[str, ReplicaSnapshot] = {}  # target replica -> its latest counters
+        self.drafts: dict[str, DraftAnnouncement] = {}  # draft replica -> its latest counters
 
     # --------------------------------------------------------------- recording
 
@@ -113,22 +88,23 @@ class Metrics:
         with self._lock:
             self.errors[status] = self.errors.get(status, 0) + 1
 
-    def snapshot(self, snap: dict[str, Any]) -> None:
+    def snapshot(self, snap: ReplicaSnapshot) -> None:
         with self._lock:
-            self.snapshots[str(snap.get("replica", "?"))] = snap
+            self.snapshots[snap.replica] = snap
 
-    def draft_snapshots(self, snaps: list[dict[str, Any]]) -> None:
+    def draft_snapshots(self, announcements: list[DraftAnnouncement]) -> None:
         """The draft replicas' latest counters (all of them: departed replicas' counts stay)."""
         with self._lock:
-            for snap in snaps:
-                self.drafts[str(snap.get("replica", "?"))] = snap
+            for announcement in announcements:
+                self.drafts[announcement.replica] = announcement
 
     # --------------------------------------------------------------- rendering
 
     def render(self) -> str:
         with self._lock:
-            snaps = list(self.snapshots.values())
-            draft_snaps = list(self.drafts.values())
+            replicas = len(self.snapshots)
+            t = ReplicaSnapshot.total(list(self.snapshots.values()))
+            d = DraftAnnouncement.total(list(self.drafts.values()))
             labels = f'model_name="{self.model_name}"'
             lines: list[str] = []
 
@@ -139,60 +115,79 @@ class Metrics:
                 for extra, value in samples:
                     lines.append(f"{PREFIX}{name}{suffix}{{{labels}{extra}}} {value}")
 
-            for key, (name, help_) in SNAPSHOT_COUNTERS.items():
-                metric(name, "counter", help_, [("", sum(s.get(key, 0) for s in snaps))])
-            per_pos = _sum_lists([s.get("num_accepted_tokens_per_pos", []) for s in snaps])
+            def counter(name: str, value: float, help_: str) -> None:
+                metric(name, "counter", help_, [("", value)])
+
+            counter(
+                "spec_decode_num_drafts", t.num_drafts, "Sequences verified with at least one draft token."
+            )
+            counter("spec_decode_num_draft_tokens", t.num_draft_tokens, "Draft tokens sent to the verifier.")
+            counter("spec_decode_num_accepted_tokens", t.num_accepted_tokens, "Draft tokens accepted.")
+            counter("engine_steps", t.steps, "Engine steps (one verify forward each).")
+            counter(
+                "draft_round_trips",
+                t.draft_round_trips,
+                "Rounds whose trees were collected from the draft source.",
+            )
+            counter(
+                "draft_trees_missing",
+                t.trees_missing,
+                "Sequence-rounds decoded without a tree (deadline, no drafter).",
+            )
             metric(
                 "spec_decode_num_accepted_tokens_per_pos",
                 "counter",
                 "Drafts whose accepted path reached position + 1.",
-                [(f',position="{p}"', n) for p, n in enumerate(per_pos)],
+                [(f',position="{p}"', n) for p, n in enumerate(t.num_accepted_tokens_per_pos)],
             )
-            drafts = sum(s.get("num_drafts", 0) for s in snaps)
-            accepted = sum(s.get("num_accepted_tokens", 0) for s in snaps)
-            draft_tokens = sum(s.get("num_draft_tokens", 0) for s in snaps)
             metric(
                 "spec_decode_mean_acceptance_length",
                 "gauge",
                 "Output tokens per verify step for drafted sequences: 1 + accepted / drafts.",
-                [("", 1.0 + accepted / drafts if drafts else 0.0)],
+                [("", 1.0 + t.num_accepted_tokens / t.num_drafts if t.num_drafts else 0.0)],
             )
             metric(
                 "spec_decode_acceptance_rate",
                 "gauge",
                 "Accepted / draft tokens.",
-                [("", accepted / draft_tokens if draft_tokens else 0.0)],
+                [("", t.num_accepted_tokens / t.num_draft_tokens if t.num_draft_tokens else 0.0)],
             )
-            for key, (name, help_) in SNAPSHOT_GAUGES.items():
-                metric(name, "gauge", help_, [("", sum(s.get(key, 0) for s in snaps))])
-            capacity = sum(s.get("max_num_seqs", 0) for s in snaps)
-            running = sum(s.get("running", 0) for s in snaps)
+            metric("num_requests_running", "gauge", "Sequences in the engine's batch.", [("", t.running)])
+            metric("num_requests_waiting", "gauge", "Requests queued for a batch slot.", [("", t.waiting)])
             metric(
                 "batch_occupancy",
                 "gauge",
                 "Running sequences / batch slots, over target replicas.",
-                [("", running / capacity if capacity else 0.0)],
+                [("", t.running / t.max_num_seqs if t.max_num_seqs else 0.0)],
             )
+            slots_per_replica = max(t.max_num_seqs / max(replicas, 1), 1)
             metric(
                 "batch_occupancy_mean",
                 "gauge",
                 "Mean sequences per engine step / batch slots, since start.",
-                [("", _ratio(snaps, "batch_seq_sum", "steps") / max(capacity / max(len(snaps), 1), 1))],
+                [("", _ratio(t.batch_seq_sum, t.steps) / slots_per_replica)],
             )
             metric(
                 "draft_round_trip_seconds_mean",
                 "gauge",
                 "Mean time the engine waited to collect a round's trees.",
-                [("", _ratio(snaps, "draft_round_trip_s", "draft_round_trips"))],
+                [("", _ratio(t.draft_round_trip_s, t.draft_round_trips))],
             )
-            for key, (name, help_) in DRAFT_COUNTERS.items():
-                metric(name, "counter", help_, [("", sum(s.get(key, 0) for s in draft_snaps))])
-            lookups = sum(s.get("cache_lookups", 0) for s in draft_snaps)
+            counter("spec_cache_hits", d.cache_hits, "Draft rounds answered from the speculation cache.")
+            counter(
+                "spec_cache_lookups", d.cache_lookups, "Draft rounds that looked in the speculation cache."
+            )
+            counter("draft_trees_sent", d.trees_sent, "Candidate trees the draft replicas sent.")
+            counter(
+                "draft_trees_pushed",
+                d.trees_pushed,
+                "Pre-drafted trees the draft replicas pushed ahead of their round (speculation cache).",
+            )
             metric(
                 "spec_cache_hit_rate",
                 "gauge",
                 "Speculation-cache hits / lookups over the draft replicas (0 when none reports).",
-                [("", sum(s.get("cache_hits", 0) for s in draft_snaps) / lookups if lookups else 0.0)],
+                [("", _ratio(d.cache_hits, d.cache_lookups))],
             )
             metric("prompt_tokens", "counter", "Prompt tokens processed.", [("", self.prompt_tokens)])
             metric("generation_tokens", "counter", "Tokens generated.", [("", self.generation_tokens)])
@@ -219,15 +214,5 @@ class Metrics:
             return "\n".join(lines) + "\n"
 
 
-def _sum_lists(lists: list[list[int]]) -> list[int]:
-    out: list[int] = []
-    for values in lists:
-        out.extend([0] * (len(values) - len(out)))
-        for i, v in enumerate(values):
-            out[i] += v
-    return out
-
-
-def _ratio(snaps: list[dict[str, Any]], num: str, den: str) -> float:
-    d = sum(s.get(den, 0) for s in snaps)
-    return sum(s.get(num, 0) for s in snaps) / d if d else 0.0
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0

@@ -16,6 +16,8 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from outrider.target_worker.sequence import RequestParams
+
 MAX_N = 16  # choices per request: each is a sequence in the batch, so bound the fan-out
 
 
@@ -48,6 +50,21 @@ class SamplingFields(BaseModel):
     @property
     def include_usage_in_stream(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
+
+    def request_params(self, max_tokens: int, index: int) -> RequestParams:
+        """The engine's settings for choice `index`, with `max_tokens` already fitted to the context.
+
+        Stop strings are not among them: the ingress matches them on the text it streams
+        (`cluster.text.Detokenizer`) and cancels the choice, so the engine needs no tokenizer.
+        """
+        return RequestParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=max(self.top_k, 0),  # -1 (vLLM's "off") is the engine's 0
+            top_p=self.top_p,
+            # n choices with one seed must differ, and stay reproducible.
+            seed=None if self.seed is None else self.seed + index,
+        )
 
 
 class CompletionRequest(SamplingFields):

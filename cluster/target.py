@@ -11,9 +11,9 @@ Each replica's four jobs (STYLE.md rule 12; the engine does the decoding):
    deltas back to the ingress as a Serve streaming response;
 4. report its counters (`stats`, and with each finished request) for `/metrics`.
 
-Stream protocol with the ingress: `{"admitted": True}` first (so overload is known before
-the HTTP status is sent), then `{"token_ids": [...], "finish_reason": None | "stop" | ...}`
-chunks; the last one also carries this replica's counters snapshot.
+Stream protocol with the ingress (`cluster.messages`): a `GenerateRequest` in; out, an
+admitted `StreamChunk` first (so overload is known before the HTTP status is sent), then
+chunks of token ids; the last one has a finish reason and this replica's `ReplicaSnapshot`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from typing import Any
 from ray import serve
 
 from outrider.cluster.config import OutriderArgs, load_args
+from outrider.cluster.draft_registry import DraftPoolWatcher
 from outrider.cluster.engine_loop import EngineLoop
+from outrider.cluster.messages import GenerateRequest, ReplicaSnapshot, StreamChunk
 from outrider.cluster.served_model import ServedModel
 from outrider.target_worker.draft_source import DraftSource
 
@@ -39,7 +41,6 @@ class TargetWorker:
         """`drafts`: the draft deployment's handle when there is one (its replicas are found by registry)."""
         import torch
 
-        from outrider.proto import DEFAULT_TREE_BUDGET, TreeBudget
         from outrider.target_worker.engine import Engine
 
         self.model, self.args = model, load_args(args)
@@ -50,15 +51,12 @@ class TargetWorker:
         runner = self._build_runner()
         context = serve.get_replica_context()
         self.draft_source = build_draft_source(self.args, model, runner, context.app_name)
-        budget = self.args.tree_budget
         self.engine = Engine(
             runner,
             self.draft_source,
             eos_token_id=model.eos_token_id,
             max_batch=engine_args.max_num_seqs,
-            tree_budget=TreeBudget(budget.max_nodes, budget.max_depth, budget.top_k, budget.q_width)
-            if budget
-            else DEFAULT_TREE_BUDGET,
+            tree_budget=self.args.tree_budget_limit,
             draft_timeout_s=self.args.draft_pool.round_deadline_ms / 1000,
         )
         self.loop = EngineLoop(self.engine, engine_args.max_num_seqs, engine_args.max_queued_requests)
@@ -86,19 +84,9 @@ class TargetWorker:
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        from outrider.target_worker.sequence import RequestParams
-
-        sampling = request.get("sampling", {})
-        params = RequestParams(
-            max_tokens=int(request["max_tokens"]),
-            temperature=float(sampling.get("temperature", 0.0)),
-            top_k=int(sampling.get("top_k", 0)),
-            top_p=float(sampling.get("top_p", 1.0)),
-            seed=sampling.get("seed"),
-        )
-        request_id, queue = self.loop.submit(list(request["prompt_token_ids"]), params)  # may raise 429
-        yield {"admitted": True, "token_ids": []}
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        request_id, queue = self.loop.submit(list(request.prompt_token_ids), request.params)  # may raise 429
+        yield StreamChunk(admitted=True)
         finished = False
         try:
             while not finished:
@@ -106,15 +94,16 @@ class TargetWorker:
                 if isinstance(output, BaseException):
                     raise output
                 finished = output.finished
-                chunk = {"token_ids": output.new_token_ids, "finish_reason": output.finish_reason}
-                if finished:
-                    chunk["snapshot"] = self._snapshot()
-                yield chunk
+                yield StreamChunk(
+                    token_ids=tuple(output.new_token_ids),
+                    finish_reason=output.finish_reason,
+                    snapshot=self._snapshot() if finished else None,
+                )
         finally:
             if not finished:  # cancelled by the ingress (client gone, stop string hit)
                 self.loop.abort(request_id)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> ReplicaSnapshot:
         return self._snapshot()
 
     async def ping(self) -> bool:
@@ -128,49 +117,47 @@ class TargetWorker:
         """Batch occupancy, for a policy that scales targets on it (the default uses requests in flight)."""
         return {"batch_occupancy": self.loop.num_running / self.args.engine.max_num_seqs}
 
-    def _snapshot(self) -> dict[str, Any]:
-        stats, spec = self.engine.stats, self.engine.stats.spec
-        snap = {
-            "replica": self.replica,
-            "num_drafts": spec.num_drafts,
-            "num_draft_tokens": spec.num_draft_tokens,
-            "num_accepted_tokens": spec.num_accepted_tokens,
-            "num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos),
-            "steps": stats.num_rounds,
-            "trees_missing": stats.num_missing_trees,
-            "running": self.loop.num_running,
-            "waiting": self.loop.num_waiting,
-            "max_num_seqs": self.args.engine.max_num_seqs,
-            "batch_seq_sum": self.loop.stats.batch_seq_sum,
-        }
-        if self.draft_source is not None:
-            snap["draft_round_trips"] = self.draft_source.collects
-            snap["draft_round_trip_s"] = self.draft_source.collect_s
-        counters = getattr(self.draft_source, "inner", None) and getattr(
-            self.draft_source.inner, "counters", None
+    def _snapshot(self) -> ReplicaSnapshot:
+        stats, spec, drafts = self.engine.stats, self.engine.stats.spec, self.draft_source
+        client = drafts.client_counters if drafts is not None else None
+        return ReplicaSnapshot(
+            replica=self.replica,
+            num_drafts=spec.num_drafts,
+            num_draft_tokens=spec.num_draft_tokens,
+            num_accepted_tokens=spec.num_accepted_tokens,
+            num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
+            steps=stats.num_rounds,
+            trees_missing=stats.num_missing_trees,
+            running=self.loop.num_running,
+            waiting=self.loop.num_waiting,
+            max_num_seqs=self.args.engine.max_num_seqs,
+            batch_seq_sum=self.loop.stats.batch_seq_sum,
+            draft_round_trips=drafts.collects if drafts is not None else 0,
+            draft_round_trip_s=drafts.collect_s if drafts is not None else 0.0,
+            trees_late=client.trees_late if client is not None else 0,
+            trees_invalid=client.trees_invalid if client is not None else 0,
         )
-        if counters is not None:
-            snap["trees_late"] = counters.trees_late
-            snap["trees_invalid"] = counters.trees_invalid
-        return snap
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
         if getattr(self, "draft_source", None) is not None:
-            if getattr(self.draft_source, "watcher", None) is not None:
-                self.draft_source.watcher.stop()
             self.draft_source.close()
         if getattr(self, "shards", None) is not None:
             self.shards.shutdown()
 
 
 class TimedDraftSource(DraftSource):
-    """Any draft source, with the time the engine spends waiting in `collect` (the round trip)."""
+    """Any draft source, with the time the engine spends waiting in `collect` (the round trip).
 
-    def __init__(self, inner):
-        self.inner, self.collects, self.collect_s = inner, 0, 0.0
+    `client_counters`: the gRPC client's counters, for the snapshot (None in-process);
+    `watcher`: what keeps the client's addresses current, stopped with the source.
+    """
+
+    def __init__(self, inner: DraftSource, client_counters=None, watcher: DraftPoolWatcher | None = None):
+        self.inner, self.client_counters, self.watcher = inner, client_counters, watcher
+        self.collects, self.collect_s = 0, 0.0
         self.validates_trees = inner.validates_trees
 
     @property
@@ -192,42 +179,9 @@ class TimedDraftSource(DraftSource):
         return self.inner.feature_projection()
 
     def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
         self.inner.close()
-
-
-class DraftPoolWatcher:
-    """Keeps a RemoteDraftSource's addresses in step with the draft deployment's replicas.
-
-    Draft replicas announce themselves in Ray's internal KV (`cluster.draft`); when Serve
-    scales the draft deployment up or down, the set of fresh announcements changes and the
-    client follows it (`RemoteDraftSource.set_endpoints`): new replicas get sequences, the
-    sequences of a departed one move with their whole context.
-    """
-
-    def __init__(self, source, app_name: str, period_s: float = 2.0):
-        import threading
-
-        self.source, self.app_name, self.period_s = source, app_name, period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="draft-pool-watcher", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        from outrider.cluster.draft import draft_endpoints
-
-        while not self._stop.wait(self.period_s):
-            try:
-                found = draft_endpoints(self.app_name)
-            except Exception as error:  # the GCS can blip; the last known pool stays in use
-                log.debug("draft registry unreadable: %s", error)
-                continue
-            current = [e.address for e in self.source.endpoints]
-            if found and sorted(found) != sorted(current):
-                log.info("draft pool changed: %s -> %s", current, found)
-                self.source.set_endpoints(found)
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def speculative_for(args: OutriderArgs, model: ServedModel) -> dict[str, Any] | None:
@@ -255,7 +209,7 @@ def build_draft_source(args: OutriderArgs, model: ServedModel, runner, app_name:
 
         proposer = build_proposer(spec, vocab_size=model.vocab_size, device=runner.device)
         return TimedDraftSource(InProcessDraftSource(proposer))
-    from outrider.cluster.draft import wait_for_draft_endpoints
+    from outrider.cluster.draft_registry import wait_for_draft_endpoints
     from outrider.proto import HandshakeRequest, Limits
     from outrider.target_worker.draft_client import (
         DraftClientConfig,
@@ -264,7 +218,7 @@ def build_draft_source(args: OutriderArgs, model: ServedModel, runner, app_name:
     )
 
     addresses = pool.draft_endpoints if pool.mode == "external" else wait_for_draft_endpoints(app_name)
-    budget = args.tree_budget
+    budget = args.tree_budget_limit
     handshake = HandshakeRequest(
         target_model_id=model.name,
         vocab_size=model.vocab_size,
@@ -273,10 +227,10 @@ def build_draft_source(args: OutriderArgs, model: ServedModel, runner, app_name:
         target_hidden_size=runner.model.hidden_size,
         limits=Limits(
             max_batch=args.engine.max_num_seqs,
-            max_nodes=budget.max_nodes if budget else 32,
-            max_depth=budget.max_depth if budget else 8,
-            max_top_k=budget.top_k if budget else 8,
-            max_q_width=budget.q_width if budget else 32,
+            max_nodes=budget.max_nodes,
+            max_depth=budget.max_depth,
+            max_top_k=budget.top_k,
+            max_q_width=budget.q_width,
         ),
         method=spec["method"],
     )
@@ -288,7 +242,6 @@ def build_draft_source(args: OutriderArgs, model: ServedModel, runner, app_name:
     )
     if not source.wait_ready(timeout_s=60):
         log.warning("no draft worker reachable at %s yet; decoding without drafts until one is", addresses)
-    timed = TimedDraftSource(source)
-    if pool.mode != "external":  # the deployment's replicas come and go with autoscaling
-        timed.watcher = DraftPoolWatcher(source, app_name)
-    return timed
+    # The deployment's replicas come and go with autoscaling; external addresses are fixed.
+    watcher = DraftPoolWatcher(source, addresses, app_name) if pool.mode != "external" else None
+    return TimedDraftSource(source, client_counters=source.counters, watcher=watcher)

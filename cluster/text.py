@@ -3,13 +3,17 @@
 The engine works in token ids only; the ingress turns prompts into ids and output ids back
 into text. Stop strings are matched here, on text, because a stop string may span tokens
 (and a token may end in the middle of one): text is held back while it could still be the
-start of a stop string, and a request that hits one is cancelled in the engine.
+start of a stop string, and a request that hits one is cancelled in the engine. The matching
+itself is `target_worker.stop_strings`, the same rule the engine applies in-process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from outrider.target_worker.stop_strings import find_stop, held_back
 
 # The demo tokenizer is trained on Python source and ships no chat template; this one lays a
 # conversation out as comments, which the demo target continues as naturally as anything.
@@ -48,7 +52,7 @@ class Detokenizer:
     sent: int = 0  # characters of the decoded text already returned
     stopped: bool = False
 
-    def add(self, token_ids: list[int]) -> str:
+    def add(self, token_ids: Sequence[int]) -> str:
         """The new text that is safe to send; sets `stopped` when a stop string appeared."""
         if self.stopped:
             return ""
@@ -56,22 +60,15 @@ class Detokenizer:
         # Decoding the whole output each time is quadratic, but outputs here are short and the
         # BPE merge across the token boundary makes per-token decoding wrong.
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for stop in self.stops:
-            at = text.find(stop, max(self.sent - len(stop) + 1, 0))
-            if at >= 0:
-                self.stopped = True
-                text = text[:at]
-        if self.stopped:
-            return self._emit(text, len(text))
+        hit = find_stop(text, self.stops, self.sent)
+        if hit is not None:
+            self.stopped = True
+            return self._emit(text, hit[0])
         safe = len(text)
         if text.endswith("\ufffd"):  # a multi-byte character still incomplete
             safe = len(text.rstrip("\ufffd"))
-        for stop in self.stops:  # a suffix that is a prefix of a stop string may still become one
-            for k in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:k]):
-                    safe = min(safe, len(text) - k)
-                    break
-        return self._emit(text, safe)
+        # A suffix that is a prefix of a stop string may still become one.
+        return self._emit(text, min(safe, len(text) - held_back(text, self.stops)))
 
     def flush(self) -> str:
         """At the end of the output: whatever was held back (never past a stop)."""

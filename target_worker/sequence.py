@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from outrider.proto import SamplingParams, TreeBudget
+from outrider.target_worker.stop_strings import find_stop
 
 
 @dataclass(frozen=True)
@@ -133,13 +134,12 @@ class Sequence:
     def _hit_stop_string(self, detokenize: Callable[[list[int]], str] | None) -> bool:
         if detokenize is None:
             raise ValueError("stop strings need an engine built with a detokenizer")
-        previous, self.text = self.text, detokenize(self.output_ids)
         # The earlier text held no stop string, so a match must end in the new characters.
-        since = max(0, len(previous) - max(len(s) for s in self.params.stop) + 1)
-        hits = [(at, s) for s in self.params.stop if (at := self.text.find(s, since)) >= 0]
-        if not hits:
+        previous, self.text = self.text, detokenize(self.output_ids)
+        hit = find_stop(self.text, self.params.stop, checked=len(previous))
+        if hit is None:
             return False
-        at, stop = min(hits)
+        at, stop = hit
         self.text = self.text[:at]
         self.finish_reason, self.stop_reason = "stop", stop
         return True

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from outrider.cluster.config import OutriderArgs, load_args
 from outrider.cluster.engine_loop import EngineLoop, EngineOverloaded
+from outrider.cluster.messages import DraftAnnouncement, ReplicaSnapshot
 from outrider.cluster.metrics import Metrics
 from outrider.cluster.placement import DraftLoadPolicy, draft_options, target_options
 from outrider.cluster.serve_cli import add_serve_parser, args_from_cli
@@ -97,10 +98,10 @@ def test_detokenizer_holds_back_a_possible_stop_and_cuts_at_it():
 def test_metrics_page_sums_replica_snapshots():
     metrics = Metrics("m")
     metrics.snapshot(
-        {"replica": "a", "num_drafts": 2, "num_accepted_tokens": 3, "num_accepted_tokens_per_pos": [2, 1]}
+        ReplicaSnapshot(replica="a", num_drafts=2, num_accepted_tokens=3, num_accepted_tokens_per_pos=(2, 1))
     )
     metrics.snapshot(
-        {"replica": "b", "num_drafts": 2, "num_accepted_tokens": 1, "num_accepted_tokens_per_pos": [1]}
+        ReplicaSnapshot(replica="b", num_drafts=2, num_accepted_tokens=1, num_accepted_tokens_per_pos=(1,))
     )
     metrics.request_done(5, [1.0, 1.1, 1.2], 0.9, "length")
     page = metrics.render()
@@ -113,14 +114,16 @@ def test_metrics_page_sums_replica_snapshots():
 
 def test_metrics_page_takes_the_cache_hit_rate_from_the_draft_replicas():
     metrics = Metrics("m")
-    metrics.snapshot({"replica": "t", "num_drafts": 5})  # target replicas report no cache keys
+    metrics.snapshot(ReplicaSnapshot(replica="t", num_drafts=5))  # target replicas report no cache counters
     metrics.draft_snapshots(
         [
-            {"replica": "draft-a", "cache_hits": 3, "cache_lookups": 4, "trees_sent": 9, "trees_pushed": 6},
-            {"replica": "draft-b", "cache_hits": 1, "cache_lookups": 4, "trees_sent": 1},
+            DraftAnnouncement("a:1", "draft-a", cache_hits=3, cache_lookups=4, trees_sent=9, trees_pushed=6),
+            DraftAnnouncement("b:1", "draft-b", cache_hits=1, cache_lookups=4, trees_sent=1),
         ]
     )
-    metrics.draft_snapshots([{"replica": "draft-b", "cache_hits": 2, "cache_lookups": 4, "trees_sent": 2}])
+    metrics.draft_snapshots(
+        [DraftAnnouncement("b:1", "draft-b", cache_hits=2, cache_lookups=4, trees_sent=2)]
+    )
     page = metrics.render()
     assert 'outrider:spec_cache_hits_total{model_name="m"} 5' in page
     assert 'outrider:spec_cache_lookups_total{model_name="m"} 8' in page

@@ -1,0 +1,111 @@
+"""What crosses between the deployments: one frozen dataclass per message, no magic keys.
+
+    OpenAIIngress ──GenerateRequest──────────────> TargetWorker.generate
+                  <──StreamChunk (admitted) ─────  first, before any HTTP status is sent
+                  <──StreamChunk (token ids) ────  then the token deltas; the last one carries
+                                                   the replica's ReplicaSnapshot
+                  <──ReplicaSnapshot ────────────  TargetWorker.stats, on each /metrics scrape
+    DraftWorker ───DraftAnnouncement──> DraftRegistry ──> targets (addresses), ingress (counters)
+
+Serve pickles handle arguments and streamed values, and Ray pickles actor calls, so these
+travel as they are; a renamed field fails where it is read, instead of reading as 0. The
+sampling settings inside a request are the engine's own `RequestParams` (the proto
+`SamplingParams` is only their wire form to drafters, `RequestParams.sampling`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from outrider.target_worker.sequence import RequestParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One choice of one API request, in token ids: the ingress asks a target replica for it."""
+
+    prompt_token_ids: tuple[int, ...]  # [num_prompt_tokens], already checked against the vocabulary
+    params: RequestParams  # max_tokens fitted to the context; stop strings stay at the ingress
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One item of a target replica's stream for one request.
+
+    The first item is `admitted` (no tokens): the request holds a batch slot or queue place,
+    so overload is known before the ingress sends its HTTP status. Every later item is a
+    delta of output tokens; the one with a `finish_reason` is the last and carries `snapshot`.
+    """
+
+    token_ids: tuple[int, ...] = ()  # [num_new_tokens] committed since the previous chunk
+    finish_reason: str | None = None  # None until the last chunk: "length", "stop", "abort"
+    admitted: bool = False
+    snapshot: ReplicaSnapshot | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaSnapshot:
+    """A target replica's counters, cumulative since it started (so the latest one suffices)."""
+
+    replica: str
+    num_drafts: int = 0  # sequences verified with at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [max depth seen]; drafts reaching pos + 1
+    steps: int = 0  # engine rounds (one verify forward each)
+    trees_missing: int = 0  # sequence-rounds decoded without a tree
+    running: int = 0  # sequences in the batch now
+    waiting: int = 0  # requests queued for a slot now
+    max_num_seqs: int = 0  # batch slots
+    batch_seq_sum: int = 0  # sequences in the batch, summed over steps
+    draft_round_trips: int = 0  # rounds whose trees were collected (0 without a draft source)
+    draft_round_trip_s: float = 0.0  # time spent waiting in those collects
+    trees_late: int = 0  # gRPC drafting only: trees that arrived after their round
+    trees_invalid: int = 0  # gRPC drafting only: trees dropped by validation
+
+    @classmethod
+    def total(cls, snapshots: list[ReplicaSnapshot]) -> ReplicaSnapshot:
+        """Every counter summed over `snapshots` (per-position counts position by position)."""
+        return _total(cls(replica="*"), snapshots)
+
+
+@dataclass(frozen=True)
+class DraftAnnouncement:
+    """A draft replica's heartbeat: where its gRPC server listens, and its counters so far."""
+
+    address: str  # host:port of the replica's gRPC draft server
+    replica: str
+    trees_sent: int = 0
+    cache_hits: int = 0  # rounds answered from the speculation cache
+    cache_lookups: int = 0  # rounds that looked in it
+    cache_saved_s: float = 0.0  # drafting time the hits saved
+    trees_pushed: int = 0  # pre-drafted trees pushed ahead of their round
+    batches: int = 0  # propose() calls
+    drafting_s: float = 0.0  # time inside propose()
+
+    @classmethod
+    def total(cls, announcements: list[DraftAnnouncement]) -> DraftAnnouncement:
+        """Every counter summed over `announcements`."""
+        return _total(cls(address="*", replica="*"), announcements)
+
+
+def _total(zero, items: list):
+    """`zero` with each numeric field replaced by its sum over `items` (tuples summed per index)."""
+    sums = {}
+    for f in fields(zero):
+        value = getattr(zero, f.name)
+        if isinstance(value, str):
+            continue
+        if isinstance(value, tuple):
+            per_index: list[int] = []
+            for item in items:
+                counts = getattr(item, f.name)
+                per_index.extend([0] * (len(counts) - len(per_index)))
+                for i, n in enumerate(counts):
+                    per_index[i] += n
+            sums[f.name] = tuple(per_index)
+        else:
+            sums[f.name] = sum((getattr(item, f.name) for item in items), value)
+    return replace(zero, **sums)
