@@ -29,7 +29,7 @@ def readme_commands() -> list[list[str]]:
     """argv (after `outrider`) of each `outrider` line in the README's ```bash blocks."""
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S):
-        for line in block.splitlines():
+        for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if words and Path(words[0]).name == "outrider":
                 commands.append(words[1:])
