@@ -43,11 +43,10 @@ class Limits:
     max_nodes: int  # nodes per candidate tree, root included
     max_depth: int  # draft tokens on any root-to-leaf path
     max_top_k: int  # children per node
-    max_q_width: int = 0  # entries per sparse q row; 0 = max_top_k
+    max_q_width: int = 0  # entries per sparse q row; given below max_top_k (0): max_top_k
 
-    @property
-    def q_width_limit(self) -> int:
-        return max(self.max_top_k, self.max_q_width)
+    def __post_init__(self) -> None:  # stored resolved, as TreeBudget.q_width
+        object.__setattr__(self, "max_q_width", max(self.max_top_k, self.max_q_width))
 
     def intersect(self, other: Limits) -> Limits:
         return Limits(
@@ -55,7 +54,7 @@ class Limits:
             max_nodes=min(self.max_nodes, other.max_nodes),
             max_depth=min(self.max_depth, other.max_depth),
             max_top_k=min(self.max_top_k, other.max_top_k),
-            max_q_width=min(self.q_width_limit, other.q_width_limit),
+            max_q_width=min(self.max_q_width, other.max_q_width),
         )
 
     def to_proto(self) -> pb.Limits:

@@ -56,12 +56,11 @@ class TreeBudget:
     max_nodes: int  # nodes in the tree, root included; 1 = no draft tokens
     max_depth: int  # draft tokens on any root-to-leaf path (the root is depth 0)
     top_k: int  # children per node
-    q_width: int = 0  # entries per sparse q row (>= top_k); 0 = top_k
+    q_width: int = 0  # the most entries a sparse q row may hold; given below top_k (0): top_k
 
-    @property
-    def row_width(self) -> int:
-        """The most entries a q row of this tree may hold."""
-        return max(self.top_k, self.q_width)
+    def __post_init__(self) -> None:
+        # Stored resolved, so `q_width` is the one name for the row width (no "effective" twin).
+        object.__setattr__(self, "q_width", max(self.top_k, self.q_width))
 
     def to_proto(self) -> pb.TreeBudget:
         return pb.TreeBudget(

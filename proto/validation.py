@@ -135,10 +135,9 @@ def _shape_problem(tree: CandidateTree, budget: TreeBudget) -> str | None:
         return f"q_token_ids has shape {list(tree.q_token_ids.shape)} but q_probs {list(tree.q_probs.shape)}"
     if tree.q_token_ids.shape[0] != tree.q_nodes.shape[0]:
         return f"q_token_ids has {tree.q_token_ids.shape[0]} rows but len(q_nodes) = {tree.q_nodes.shape[0]}"
-    if tree.q_token_ids.shape[1] > budget.row_width:
+    if tree.q_token_ids.shape[1] > budget.q_width:
         return (
-            f"q rows have {tree.q_token_ids.shape[1]} entries, over the budget's "
-            f"max(top_k, q_width) = {budget.row_width}"
+            f"q rows have {tree.q_token_ids.shape[1]} entries, over the budget's q_width = {budget.q_width}"
         )
     return None
 

@@ -95,5 +95,5 @@ def fit_budget(budget: TreeBudget, limits: Limits) -> TreeBudget:
         max_nodes=max(1, min(budget.max_nodes, limits.max_nodes)),
         max_depth=min(budget.max_depth, limits.max_depth),
         top_k=min(budget.top_k, limits.max_top_k),
-        q_width=min(budget.row_width, limits.q_width_limit),
+        q_width=min(budget.q_width, limits.max_q_width),
     )

@@ -60,8 +60,8 @@ def test_committed_stubs_are_what_generate_writes(tmp_path: Path) -> None:
 
 
 def test_grpc_stub_imports_the_messages_from_the_package() -> None:
-    assert "from proto import outrider_pb2" in (PACKAGE_DIR / "outrider_pb2_grpc.py").read_text()
-    assert outrider_pb2_grpc.proto_dot_outrider__pb2 is outrider_pb2
+    assert "from outrider.proto import outrider_pb2" in (PACKAGE_DIR / "outrider_pb2_grpc.py").read_text()
+    assert outrider_pb2_grpc.outrider_dot_proto_dot_outrider__pb2 is outrider_pb2
     assert "outrider_pb2" not in sys.modules, "something imported the stubs as a top-level module"
 
 

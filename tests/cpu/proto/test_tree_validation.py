@@ -172,7 +172,7 @@ def test_rejects_too_many_children() -> None:
 def test_rejects_q_wider_than_budget() -> None:
     rejects(
         make_tree(),
-        r"q rows have 3 entries, over the budget's max\(top_k, q_width\) = 2",
+        r"q rows have 3 entries, over the budget's q_width = 2",
         TreeBudget(8, 4, 2),
     )
     validate_tree(make_tree(), TreeBudget(8, 4, 2, q_width=3), VOCAB)  # a wider q row is allowed
