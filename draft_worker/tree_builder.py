@@ -176,7 +176,7 @@ def build_trees(
 
 def _q_width(budget: TreeBudget, mode: DraftSampling) -> int:
     """Entries per q row: top-k rows for DETERMINISTIC trees, q_width ones when children are drawn."""
-    return budget.top_k if mode == DraftSampling.DETERMINISTIC else budget.row_width
+    return budget.top_k if mode == DraftSampling.DETERMINISTIC else budget.q_width
 
 
 class _Expander:
@@ -256,7 +256,7 @@ def _draw_uniforms(
     noise = torch.zeros(len(budgets), depth_limit, width, q_width)
     for b, (budget, mode, generator) in enumerate(zip(budgets, modes, generators, strict=True)):
         if mode != DraftSampling.DETERMINISTIC and budget.top_k > 0 and budget.max_nodes > 1:
-            k, d, w = budget.top_k, budget.max_depth, budget.row_width
+            k, d, w = budget.top_k, budget.max_depth, budget.q_width
             noise[b, :d, :k, :w] = torch.rand(d, k, w, generator=generator)
     return clamp_uniforms(noise)
 
