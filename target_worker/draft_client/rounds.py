@@ -8,7 +8,8 @@ on arrival, off the engine's thread), and what `collect` hands the engine.
 Everything that arrives is untrusted: `proto.receive_trees` checks each tree against the
 budget its round was asked with and the vocabulary, and its node 0 must be the round's root
 (the last token of the update). A bad tree is dropped and counted, never raised; the
-sequence decodes unspeculated that round. Every method runs under the client's lock.
+sequence decodes unspeculated that round. Every method runs under the client's lock, which
+`collect` takes itself (it waits on it for the trees).
 """
 
 from __future__ import annotations
