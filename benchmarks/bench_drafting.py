@@ -15,7 +15,7 @@ these shared machines drift 15-25% over minutes, interleaved ratios do not. Figu
     tokens_per_step       output tokens / target forwards after the prompt (undrafted steps too)
     accept_per_pos        share of drafts whose position i was accepted (vLLM's per-position)
     draft_ms_per_round    drafter wall time per round (`propose` for the whole batch)
-    looping_share         outputs with > 50% repeated 4-grams (ALGORITHMS.md section 9)
+    looping_share         outputs with > 50% repeated 4-grams (docs/algorithms.md section 9)
     tau_non_looping       tau over the other outputs only; loops inflate acceptance
 """
 

@@ -168,7 +168,7 @@ def save(model, head, tokenizer_dir: Path, out: Path) -> None:
 
 
 def repeated_4gram_share(tokens: list[int]) -> float:
-    """Share of an output's 4-grams seen earlier in it (ALGORITHMS.md section 9: > 0.5 = looping)."""
+    """Share of an output's 4-grams seen earlier in it (docs/algorithms.md section 9: > 0.5 = looping)."""
     seen, repeats = set(), 0
     grams = [tuple(tokens[i : i + 4]) for i in range(len(tokens) - 3)]
     for gram in grams:
@@ -299,7 +299,7 @@ def main() -> None:
         f"{train_stats['held_out_mtp_top1_t_plus_2']}, main top-1 {train_stats['held_out_main_top1']}. "
         "tau = output tokens per target verify; greedy_identical checks lossless output against plain decoding. "
         f"Looping greedy outputs (> 50% repeated 4-grams): {rows[0]['looping_outputs']}: a model this "
-        "undertrained loops, and loops inflate tau (ALGORITHMS.md section 9); the held-out MTP top-1 "
+        "undertrained loops, and loops inflate tau (docs/algorithms.md section 9); the held-out MTP top-1 "
         "is the figure that does not depend on looping."
     )
     json_path, md_path = write_report(

@@ -4,7 +4,7 @@
     python -m outrider.benchmarks.gpu_verify_cost --layers 32      # the whole depth (16 GB of weights)
 
 Why: speculation pays when verifying a tree costs little more than decoding one token. On
-the 2-core CPU a 16-node tree costs ~2x a decode (ALGORITHMS.md 9), so CPU trees must stay
+the 2-core CPU a 16-node tree costs ~2x a decode (docs/algorithms.md section 9), so CPU trees must stay
 small; on a GPU the forward is memory-bound at small batch and the curve is much flatter,
 until the batch is large enough to make the forward compute-bound — the batch sizes where
 co-located speculation stops paying. This measures that curve for Outrider's own runner.

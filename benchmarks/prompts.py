@@ -4,7 +4,7 @@
   imports). Easy to predict, so acceptance runs high.
 - `mid`: `prompt_tokens` tokens of code starting at a line boundary at a deterministic spot
   in the middle half of a file. The primary set: small models fall into repetition loops
-  from file starts, and loops inflate acceptance (ALGORITHMS.md section 9).
+  from file starts, and loops inflate acceptance (docs/algorithms.md section 9).
 
 Both are deterministic given (tokenizer, count, prompt_tokens, seed).
 """

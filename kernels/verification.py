@@ -1,4 +1,4 @@
-"""Lossless verification of candidate trees (ALGORITHMS.md sections 1-2).
+"""Lossless verification of candidate trees (docs/algorithms.md sections 1-2).
 
 Each tree is walked from its root; at an accepted node its children are tried in local index
 order. Greedy sequences accept a child iff its token is the target argmax. Sampled sequences

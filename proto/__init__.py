@@ -8,7 +8,7 @@
     validation.py           checks on every arriving tree (vectorised over the batch)
     request_validation.py   checks on every arriving update
 
-This package imports nothing else from the repository (DESIGN.md, "Layout").
+This package imports nothing else from the repository (docs/architecture.md, "Layout").
 """
 
 from outrider.proto.errors import HandshakeMismatchError, InvalidDraftError

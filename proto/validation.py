@@ -1,6 +1,6 @@
 """Validation of candidate trees: nothing a drafter sends reaches a kernel unchecked.
 
-A drafter is untrusted (DESIGN.md, "Invariants"): a tree with a cycle, an out-of-vocabulary
+A drafter is untrusted (docs/architecture.md, "Invariants"): a tree with a cycle, an out-of-vocabulary
 token or a q that sums past one would crash a kernel or, worse, silently bias verification.
 The checks run every round for the whole batch, so they are vectorised over the batch
 flattened into one ragged layout (as in vLLM):

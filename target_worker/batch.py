@@ -32,7 +32,7 @@ class HiddenCapture:
 
     @staticmethod
     def eagle3(num_layers: int) -> HiddenCapture:
-        """EAGLE-3 fuses the inputs of layers {2, L//2, L-3} (ALGORITHMS.md section 3)."""
+        """EAGLE-3 fuses the inputs of layers {2, L//2, L-3} (docs/algorithms.md section 3)."""
         return HiddenCapture(layer_inputs=(2, num_layers // 2, num_layers - 3), final=True)
 
 

@@ -1,6 +1,6 @@
 """Where the engine gets candidate trees from: the draft-source interface.
 
-The engine is *handed* a draft source by whoever builds it (DESIGN.md, "Layout"); it never
+The engine is *handed* a draft source by whoever builds it (docs/architecture.md, "Layout"); it never
 imports `draft_worker`. Two implementations exist: `InProcessDraftSource` (a proposer in the
 same process, below) and the gRPC client (`target_worker/draft_client/`, the
 disaggregation issue). One round, seen from the engine:

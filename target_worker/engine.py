@@ -1,6 +1,6 @@
 """The step engine: continuous batching of requests over one runner, one round per `step()`.
 
-A round (DESIGN.md "One round, in order"; ALGORITHMS.md sections 1-2), as `step` reads:
+A round (docs/architecture.md, "One round"; docs/algorithms.md sections 1-2), as `step` reads:
 
     trees = drafts.collect(...)             # one per decoding sequence; untrusted, so checked
     out = runner.forward(...)               # new prompts' chunks + every tree, one ragged batch

@@ -4,7 +4,7 @@ Under TP every rank holds its own runner and KV cache shard and must see the sam
 and the same cache operations in the same order. Rank 0 runs the engine; its runner is
 wrapped in `LeaderRunner`, which broadcasts every runner/cache call before doing it locally;
 ranks 1.. sit in `follow()` and replay them. Only tensors cross (torch.distributed: gloo on
-CPU, NCCL on GPU), never pickled objects (DESIGN.md, "No pickle"):
+CPU, NCCL on GPU), never pickled objects (docs/architecture.md, "Invariants"):
 
     header [8] int64:   op | a | b | c | d | e | f | g     (sizes of what follows)
     FORWARD             ints = input_ids | positions | cache_rows | cu_seqlens | kv_starts |
