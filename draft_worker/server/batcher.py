@@ -124,7 +124,7 @@ class DraftBatcher:
             self._stats.spec_cache_hits, self._stats.spec_cache_misses = spec.hits, spec.misses
             self._stats.spec_cache_saved_s, self._stats.spec_drafting_s = spec.saved_s, spec.drafting_s
             self._stats.spec_interrupted, self._stats.spec_gated = spec.interrupted, spec.gated
-            self._stats.trees_pushed = spec.pushed
+            self._stats.trees_pushed = self.speculator.pushed
         return self._stats
 
     def open_stream(self) -> Stream:

@@ -47,7 +47,6 @@ class SpecStats:
     drafting_s: float = 0.0  # all time spent speculating (outcome probes included), hits or not
     interrupted: int = 0  # guesses abandoned mid-draft because a real round was waiting
     gated: int = 0  # rounds not speculated for while the hit rate was below min_hit_rate
-    pushed: int = 0  # pre-drafted trees sent ahead of their round (`Speculator`)
 
 
 @dataclass

@@ -47,6 +47,7 @@ class Speculator:
     def __init__(self, proposer: Speculative, config: SpecCacheConfig):
         self.cache = SpecCache(proposer, config)
         self.window = IdleWindow()
+        self.pushed = 0  # pre-drafted trees sent ahead of their round
 
     @property
     def stats(self) -> SpecStats:
@@ -102,7 +103,7 @@ class Speculator:
             if target is None:
                 return
             outbox, target_seq_id = target
-            self.cache.stats.pushed += 1
+            self.pushed += 1
             outbox.put(speculative_response(update, tree, target_seq_id))
 
         try:

@@ -65,7 +65,7 @@ def parse(*argv: str) -> argparse.Namespace:
     ],
 )
 def test_user_mistakes_are_one_line_errors(tiny_family, tmp_path, argv, error, message):
-    argv = [a.format(tok=tiny_family.tokenizer_dir, tmp=tmp_path) for a in argv]
+    argv = [a.replace("{tok}", str(tiny_family.tokenizer_dir)).replace("{tmp}", str(tmp_path)) for a in argv]
     args = parse(*argv)
     with pytest.raises(error, match=message) as raised:
         args.func(args)
