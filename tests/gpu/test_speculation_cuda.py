@@ -54,8 +54,8 @@ def _generate(runner, prompts, source):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_speculation_equals_plain_on_cuda(setup, method):
-    from outrider.demo.heads import ensure_demo_heads, head_methods
     from outrider.draft_worker import build_proposer
+    from outrider.draft_worker.training.demo_heads import ensure_demo_heads, head_methods
     from outrider.target_worker.draft_source import InProcessDraftSource
 
     family, prompts, runner = setup
