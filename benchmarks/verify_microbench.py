@@ -1,7 +1,7 @@
 """Verification microbenchmark: batch x tree size x vocabulary, torch reference vs Triton.
 
-    python benchmarks/verify_microbench.py            # small CPU grid, a couple of minutes
-    python benchmarks/verify_microbench.py --full     # bigger grid (meant for a GPU)
+    python -m outrider.benchmarks.verify_microbench            # small CPU grid, a couple of minutes
+    python -m outrider.benchmarks.verify_microbench --full     # bigger grid (meant for a GPU)
 
 Times `kernels.verify` (the tree walk only: target probs and random numbers are inputs) for
 greedy and sampled (WITH_REPLACEMENT) batches of random trees whose tokens follow the
@@ -16,16 +16,13 @@ import itertools
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from outrider.kernels.packing import PackedTrees  # noqa: E402
-from outrider.kernels.verification import draw_verify_randoms, verify  # noqa: E402
+from outrider.kernels.packing import PackedTrees
+from outrider.kernels.verification import draw_verify_randoms, verify
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

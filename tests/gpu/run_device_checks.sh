@@ -18,7 +18,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Outrider's folders import as `outrider.<folder>`; without installing (no index there), a
+# namespace of links to them serves.
+NS=$(mktemp -d) && mkdir "$NS/outrider"
+for pkg in proto kernels target_worker draft_worker demo cluster benchmarks; do ln -s "$PWD/$pkg" "$NS/outrider/$pkg"; done
+export PYTHONPATH="$NS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # A prebuilt tiny demo family (and heads) carried in .devcache/ saves building it there.
 if [ -d .devcache/demo ]; then export OUTRIDER_HOME="$PWD/.devcache"; fi
 {
@@ -37,7 +41,7 @@ step() {  # step SECONDS CMD...: run with a time limit, log it, remember a failu
 }
 step 200 python3 -m pytest tests/gpu -q -p no:cacheprovider -rA
 if [ "${MICROBENCH:-1}" = 1 ]; then
-    step 100 python3 benchmarks/verify_microbench.py --full --repeats 5
+    step 100 python3 -m outrider.benchmarks.verify_microbench --full --repeats 5
     cp benchmarks/results/verify_microbench_cuda.* "$OUT"/ 2>/dev/null
 fi
 step 150 python3 -m outrider.benchmarks.gpu_verify_cost --layers "${LAYERS:-4}" --context "${CONTEXT:-512}"
