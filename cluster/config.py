@@ -1,6 +1,6 @@
 """The serving config: one pydantic model, the `args` of `cluster.app:build_app`.
 
-Config comes in layers (STYLE.md rule 9): this file is the edge, where a Serve config YAML,
+Config comes in layers (docs/architecture.md, "How the code reads"): this file is the edge, where a Serve config YAML,
 `outrider serve` flags or a KubeRay manifest arrive as plain data and are checked once, with
 a message naming the field; the engine and the workers get frozen values built from it.
 

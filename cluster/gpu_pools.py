@@ -1,6 +1,6 @@
 """GPU pools: which GPUs of a node draft, which verify, as Ray custom resources.
 
-Draft workers want many cheap GPUs, target workers few large ones (DESIGN.md). The node's
+Draft workers want many cheap GPUs, target workers few large ones (docs/architecture.md). The node's
 inventory comes from nvidia-ml-py (NVML); each GPU is classified by its memory:
 
     memory <= draft_max_memory_gib                       -> draft pool   (e.g. L4 24 GiB, A10 24 GiB)

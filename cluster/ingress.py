@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP ingress: text in, token ids to the target, text (or SSE) out.
 
-Its four jobs, and nothing else (STYLE.md rule 12):
+Its four jobs, and nothing else (docs/architecture.md, "How the code reads"):
 
 1. check each request (OpenAI's ranges, the served model's name, the context length) and
    answer errors in OpenAI's JSON shape with the right status;

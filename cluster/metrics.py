@@ -14,7 +14,7 @@ ones per replica and sums them (`ReplicaSnapshot.total`): losing a snapshot lose
 lands on any ingress replica sees every target replica it has heard from. Latencies are
 measured at the ingress because that is what a client sees.
 
-Names (ALGORITHMS.md section 8): counters end in `_total` as prometheus_client writes them,
+Names (docs/algorithms.md section 8): counters end in `_total` as prometheus_client writes them,
 so `outrider:spec_decode_num_drafts_total` lines up with vLLM's `vllm:spec_decode_num_drafts_total`.
 """
 

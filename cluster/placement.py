@@ -1,6 +1,6 @@
 """Deployment options from the config: replicas or autoscaling, resources, placement groups.
 
-Placement (DESIGN.md "Where users outgrow one machine"): each target replica reserves one
+Placement (docs/architecture.md, "Beyond one machine"): each target replica reserves one
 bundle per tensor-parallel rank, packed on one node when it fits (else on as few nodes as
 possible), on the large-GPU pool; each draft replica
 one bundle on the small-GPU pool (`cluster.gpu_pools`). Without GPUs every ask is CPUs only.

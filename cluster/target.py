@@ -1,6 +1,6 @@
 """The target deployment: a thin shim over `target_worker.engine.Engine`.
 
-Each replica's four jobs (STYLE.md rule 12; the engine does the decoding):
+Each replica's four jobs (docs/architecture.md, "How the code reads"; the engine does the decoding):
 
 1. build the runner: one process, or a tensor-parallel group whose ranks 1.. are shard
    actors in the replica's placement group (`cluster.tp_shards`), rank 0 being this process;

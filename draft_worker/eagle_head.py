@@ -1,7 +1,7 @@
 """The EAGLE-3 head network (also P-EAGLE's), its checkpoint layout, and its two forwards.
 
 One module serves training (autograd, `chain_forward`) and drafting (KV cache, `forward`),
-so the two can never disagree. Per row (ALGORITHMS.md section 3):
+so the two can never disagree. Per row (docs/algorithms.md section 3):
 
     g   = fc(cat(h_low, h_mid, h_high))          [H]   target features -> draft width (or
                                                         the draft's own previous output hidden)
@@ -394,7 +394,7 @@ def load_head(
 
 
 def eagle3_layer_ids(num_layers: int) -> tuple[int, ...]:
-    """The target layers whose inputs EAGLE-3 fuses: {2, L//2, L-3} (ALGORITHMS.md 3).
+    """The target layers whose inputs EAGLE-3 fuses: {2, L//2, L-3} (docs/algorithms.md section 3).
 
     Those are distinct and increasing only from L = 7. Smaller targets (the demo family has
     2-4 layers) keep low / mid / high as far as such a stack has them, always three distinct

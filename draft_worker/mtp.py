@@ -2,7 +2,7 @@
 
     {"method": "mtp", "model": "/path/to/DeepSeek-V3", "num_speculative_tokens": 1}
 
-The module (arXiv 2412.19437 section 2.2; ALGORITHMS.md section 6) sits in the checkpoint
+The module (arXiv 2412.19437 section 2.2; docs/algorithms.md section 6) sits in the checkpoint
 under `model.layers.{L}.*`, L = num_hidden_layers, and turns the target's hidden state h_i
 (the state that predicted t_{i+1}) and the embedding of t_{i+1} into a prediction of t_{i+2}:
 

@@ -1,4 +1,4 @@
-"""`peagle`: P-EAGLE parallel drafting: K draft positions in ONE forward pass (ALGORITHMS.md 4).
+"""`peagle`: P-EAGLE parallel drafting: K draft positions in ONE forward pass (docs/algorithms.md section 4).
 
     {"method": "peagle", "model": "/path/to/head", "num_speculative_tokens": 5}              a chain
     {"method": "peagle", "model": ..., "num_speculative_tokens": 5, "tree_top_k": 3,

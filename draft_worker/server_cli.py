@@ -6,7 +6,7 @@
 
 `cluster/cli.py` owns the command map; it calls `add_draft_server_parser(commands, ...)` and
 passes a `resolve_demo` callback that turns `--demo SIZE` into the demo family's folders,
-since draft_worker must not import cluster (DESIGN.md, "Layout").
+since draft_worker must not import cluster (docs/architecture.md, "Layout").
 
 A user mistake (an unknown method or option, a missing folder, half a TLS pair) raises
 `ValueError` or `FileNotFoundError` with a one-line message, which the `outrider` entry point

@@ -1,6 +1,6 @@
 """Medusa's tree: a list of paths of per-head ranks, compiled into tree buffers once.
 
-The tree is data (STYLE.md 5): `(0, 2)` = the rank-2 token of head 1 under the top token of
+The tree is data (docs/architecture.md, "How the code reads"): `(0, 2)` = the rank-2 token of head 1 under the top token of
 head 0. `StaticTree.compile` lays the paths out as buffers at start-up, and `cut` keeps, per
 round, what a smaller TreeBudget allows: the first paths in priority order, prefix-closed.
 

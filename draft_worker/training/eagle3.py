@@ -1,4 +1,4 @@
-"""EAGLE-3 training with the training-time test (arXiv 2503.01840; ALGORITHMS.md section 3).
+"""EAGLE-3 training with the training-time test (arXiv 2503.01840; docs/algorithms.md section 3).
 
     outrider train-draft --method eagle3 --target DIR --out DIR --steps 600
 

@@ -16,7 +16,7 @@ Two uses:
 - `train_mtp` (the registered trainer): a head for a frozen target (the demo Llama). The
   embedding and head are the target's, frozen and saved with the head; on the
   self-distillation data the loss is soft cross-entropy to the target's own distribution of
-  t_{p+1} (acceptance rewards agreement with the target, ALGORITHMS.md section 9), or plain
+  t_{p+1} (acceptance rewards agreement with the target, docs/algorithms.md section 9), or plain
   CE on the data's tokens with `method_options={"loss": "ce"}`.
 - `MTPHead` + `mtp_loss` for joint training, where the target trains too and h carries
   gradients (benchmarks/bench_mtp_deepseek.py: DeepSeek-V3's main loss + lambda * MTP loss).

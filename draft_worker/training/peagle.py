@@ -1,4 +1,4 @@
-"""P-EAGLE training with COD sampling (arXiv 2602.01469; ALGORITHMS.md section 4).
+"""P-EAGLE training with COD sampling (arXiv 2602.01469; docs/algorithms.md section 4).
 
     outrider train-draft --method peagle --target DIR --out DIR --steps 600
 
