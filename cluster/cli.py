@@ -273,8 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "check-install",
-        help="check that Outrider's packages are the ones imported and list versions",
-        description="Fails when an unrelated package (e.g. proto-plus's `proto`) shadows one of Outrider's.",
+        help="list the versions Outrider runs on and where each outrider package is imported from",
+        description="Prints the versions of Outrider and its main dependencies, then the folder each "
+        "outrider.<package> is imported from; fails when a dependency is not installed.",
     )
     check.set_defaults(func=_cmd_check_install)
     add_serve_parser(commands)
