@@ -72,7 +72,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json",
         metavar="PATH",
-        help="the JSON report; the .md and .png files go beside it (default: benchmarks/results/bench_<size>.json)",
+        help="the JSON report; the .md and .png files go beside it (default: bench_<size>.json in "
+        "benchmarks/results/ of a checkout, else in the working directory)",
     )
     parser.add_argument(
         "--size", choices=("tiny", "small"), help="demo family (default: small; tiny with --quick)"

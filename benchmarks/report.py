@@ -16,7 +16,10 @@ import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# In a checkout the reports land in benchmarks/results/ (where the committed ones live); from an
+# installed wheel, in the working directory, never inside site-packages.
+_CHECKOUT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = _CHECKOUT / "benchmarks" / "results" if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd()
 
 
 @dataclass

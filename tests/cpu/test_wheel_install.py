@@ -69,6 +69,11 @@ def test_wheel_serves_beside_proto_plus_and_hf_kernels(tmp_path: Path, outrider_
     site = _run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
     assert f"outrider.proto          {site}/outrider/proto" in _run(outrider, "check-install", cwd=tmp_path)
     assert "usage: outrider bench" in _run(outrider, "bench", "--help", cwd=tmp_path)
+    # An installed `outrider bench` writes its reports where it runs, not into site-packages.
+    results = _run(
+        python, "-c", "from outrider.benchmarks.report import RESULTS_DIR; print(RESULTS_DIR)", cwd=tmp_path
+    )
+    assert Path(results.strip()) == tmp_path
 
     from openai import OpenAI
 
