@@ -88,10 +88,12 @@ def add_draft_server_parser(
 
 
 def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None = None) -> int:
+    from outrider.draft_worker.proposer import proposer_class
     from outrider.draft_worker.server import DraftIdentity, ServerTls, serve
     from outrider.draft_worker.speculation import SpecCacheConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    proposer_class(args.method)  # an unknown method is refused before any folder is looked up or built
     model_dir, tokenizer_dir, model_id = _model_folders(args, resolve_demo)
     config = _speculative_options(args.speculative_config)
     if args.num_speculative_tokens is not None:

@@ -29,36 +29,42 @@ def random_heads(num_heads: int, hidden: int, vocab: int, seed: int = 0, scale: 
     ]
 
 
-def write_faster_decoding(folder: Path, heads: list[dict], **config) -> Path:
-    """FasterDecoding's layout: medusa_lm_head.safetensors with `{k}.0.linear.*` and `{k}.1.weight`."""
+def _write(folder: Path, file: str, tensors: dict[str, torch.Tensor], fields: dict, config: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for k, head in enumerate(heads):
-        tensors[f"{k}.0.linear.weight"] = head["w"]
-        tensors[f"{k}.0.linear.bias"] = head["b"]
-        tensors[f"{k}.1.weight"] = head["lm"]
-    save_file(tensors, folder / HEADS_FILE)
-    vocab, hidden = heads[0]["lm"].shape
-    fields = dict(medusa_num_heads=len(heads), medusa_num_layers=1, hidden_size=hidden, vocab_size=vocab)
+    save_file(tensors, folder / file)
     (folder / "config.json").write_text(json.dumps(fields | config))
     return folder
+
+
+def write_faster_decoding(folder: Path, heads: list[dict], **config) -> Path:
+    """FasterDecoding's layout: medusa_lm_head.safetensors with `{k}.0.linear.*` and `{k}.1.weight`."""
+    tensors = {}
+    for k, head in enumerate(heads):
+        tensors |= {
+            f"{k}.0.linear.weight": head["w"],
+            f"{k}.0.linear.bias": head["b"],
+            f"{k}.1.weight": head["lm"],
+        }
+    vocab, hidden = heads[0]["lm"].shape
+    fields = dict(medusa_num_heads=len(heads), medusa_num_layers=1, hidden_size=hidden, vocab_size=vocab)
+    return _write(folder, HEADS_FILE, tensors, fields, config)
 
 
 def write_vllm(folder: Path, heads: list[dict], **config) -> Path:
     """vLLM's layout: `blocks.{k}.layers.0.weight/bias`, `lm_heads.{k}.weight`."""
-    folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for k, head in enumerate(heads):
-        tensors[f"blocks.{k}.layers.0.weight"] = head["w"]
-        tensors[f"blocks.{k}.layers.0.bias"] = head["b"]
-        tensors[f"lm_heads.{k}.weight"] = head["lm"]
-    save_file(tensors, folder / "model.safetensors")
+        layer = f"blocks.{k}.layers.0"
+        tensors |= {
+            f"{layer}.weight": head["w"],
+            f"{layer}.bias": head["b"],
+            f"lm_heads.{k}.weight": head["lm"],
+        }
     vocab, hidden = heads[0]["lm"].shape
     fields = dict(
         num_heads=len(heads), num_hidden_layers=1, hidden_size=hidden, vocab_size=vocab, medusa_fc_bias=True
     )
-    (folder / "config.json").write_text(json.dumps(fields | config))
-    return folder
+    return _write(folder, "model.safetensors", tensors, fields, config)
 
 
 def reference_logits(heads: list[dict], hidden: torch.Tensor) -> torch.Tensor:
