@@ -97,6 +97,13 @@ class EngineArgs(_Strict):
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads for the engine (default: torch's own choice)."
     )
+    seed_key_file: str | None = Field(
+        None,
+        description="File holding a secret (any bytes) from which a seeded request's verification "
+        "randomness is derived, so that draft workers, who see only a separately derived seed, cannot "
+        "predict it. Set it to make seeded requests reproduce across restarts; default: a random key "
+        "per application start, shared by its target replicas.",
+    )
 
 
 class TargetDeploymentArgs(_Strict):
@@ -135,6 +142,15 @@ class DraftPoolArgs(_Strict):
     )
     round_deadline_ms: float = Field(
         50.0, gt=0, description="How long a target waits for a round's trees before decoding without them."
+    )
+    trust_draft_distribution: bool | None = Field(
+        None,
+        description="Whether targets may use the draft distribution q that draft workers send in the "
+        "acceptance test (faster at T > 0: a child drawn from q = p is always accepted). Trusting "
+        "makes this drafter's sampling part of your correctness: a buggy or hostile drafter could "
+        "then bias sampled output (an audit watches for it and revokes trust). Untrusted trees are "
+        "verified as deterministic proposals, lossless whatever they hold. Default (null): trusted "
+        "for colocated and deployment (the application's own code), untrusted for external.",
     )
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per draft replica.")
     gpus_per_replica: float = Field(
@@ -200,6 +216,13 @@ class DraftPoolArgs(_Strict):
             )
             tls = ClientTls(Path(self.tls_ca_file).read_bytes(), *pair, server_name=self.tls_server_name)
         return tls, self._token()
+
+    @property
+    def trusts_drafts(self) -> bool:
+        """The operator's decision, or the default: the application's own drafters only."""
+        if self.trust_draft_distribution is not None:
+            return self.trust_draft_distribution
+        return self.mode != "external"
 
     def _token(self) -> str | None:
         return Path(self.token_file).read_text().strip() if self.token_file else None

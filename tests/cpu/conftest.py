@@ -1,7 +1,9 @@
 """Session-wide fixtures for the CPU suite.
 
 The tiny demo family is built once per test run into a temporary OUTRIDER_HOME and shared
-by every test that needs a real model (never built per test).
+by every test that needs a real model (never built per test). For repeated local runs, set
+OUTRIDER_TEST_HOME to a folder: the family is built there once and reused by later runs
+(CI leaves it unset, so every run there starts from nothing).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ for _folder in sorted(Path(__file__).parent.iterdir()):
 
 @pytest.fixture(scope="session")
 def outrider_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("outrider_home")
+    kept = os.environ.get("OUTRIDER_TEST_HOME")
+    home = Path(kept) if kept else tmp_path_factory.mktemp("outrider_home")
+    home.mkdir(parents=True, exist_ok=True)
     previous = os.environ.get("OUTRIDER_HOME")
     os.environ["OUTRIDER_HOME"] = str(home)
     yield home
