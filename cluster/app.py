@@ -37,4 +37,11 @@ def build_app(args: OutriderArgs | dict[str, Any] | None = None) -> serve.Applic
         drafts = None
     target = TargetWorker.options(**target_options(args, pools)).bind(model, args.model_dump(), drafts)
     ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": args.ingress_num_cpus})
-    return ingress.bind(target, model, args.engine.default_max_tokens, args.chat_template, args.api_key_file)
+    return ingress.bind(
+        target,
+        model,
+        args.engine.default_max_tokens,
+        args.chat_template,
+        args.api_key_file,
+        args.request_limits,
+    )

@@ -14,6 +14,7 @@ a message naming the field; the engine and the workers get frozen values built f
       draft_pool: DraftPoolArgs                        where drafting runs, its replicas, deadline
       gpu_pools: GpuPoolConfig                         which GPUs are draft / target GPUs
       api_key_file                                     the ingress's Bearer key, read from a file
+      request_limits: RequestLimitsArgs                body bytes and prompt characters per request
 
 A minimal Serve config (`serve run cluster/serve_demo.yaml`):
 
@@ -261,6 +262,24 @@ class TreeBudgetArgs(_Strict):
         return TreeBudget(self.max_nodes, self.max_depth, self.top_k, self.q_width)
 
 
+class RequestLimitsArgs(_Strict):
+    """What the HTTP ingress reads of one request before it refuses it: bounded work per request."""
+
+    max_body_bytes: int = Field(
+        16 << 20,
+        ge=1024,
+        description="Largest request body in bytes; a larger one is refused with 413 before it is read "
+        "further (the declared Content-Length is checked first).",
+    )
+    max_prompt_chars: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt (or sum of chat message texts) in characters, checked before "
+        "tokenizing. Default: the context length x the tokenizer's longest token in characters, beyond "
+        "which no prompt can fit. Set it for a tokenizer whose normalizer deletes characters.",
+    )
+
+
 class OutriderArgs(_Strict):
     """Everything `build_app` needs; every field is also a Serve config `args` key."""
 
@@ -303,6 +322,9 @@ class OutriderArgs(_Strict):
         description="A file holding the API key clients must send as `Authorization: Bearer <key>` on the "
         "/v1 routes (e.g. a mounted Kubernetes Secret); read by the ingress replica at start. A file, not "
         "the key itself, so the key stays out of Serve configs and the Ray dashboard. Default: no key.",
+    )
+    request_limits: RequestLimitsArgs = Field(
+        default_factory=RequestLimitsArgs, description="Request body and prompt size limits of the HTTP API."
     )
 
     @model_validator(mode="after")

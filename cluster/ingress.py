@@ -13,6 +13,14 @@ With `api_key_file` set, every /v1 route first checks `Authorization: Bearer <ke
 answers 401 in OpenAI's shape without it; `/health` and `/metrics` stay open for probes
 and scrapers.
 
+Work before a refusal is bounded by what the limits allow, not by what a client sends
+(`RequestLimitsArgs`): the body is read up to `max_body_bytes` (413 past it), strings that
+are not valid Unicode are refused by field, and a prompt is measured in characters before it
+is tokenized: past the context times the tokenizer's longest token in characters it cannot
+fit, whatever its tokens, so a 10 MB prompt is refused without tokenizing it. No client
+mistake produces a 5xx: anything unexpected is logged with its traceback and answered in
+OpenAI's shape.
+
 Overload is answered, never queued without bound: the target refuses a request when its own
 queue is full (`EngineOverloaded`) and Serve refuses one past `max_queued_requests`
 (`BackPressureError`); both become 429 before any byte of the response is sent, because every
@@ -30,10 +38,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from outrider.cluster.config import RequestLimitsArgs
 from outrider.cluster.draft_registry import draft_announcements
 from outrider.cluster.engine_loop import EngineOverloaded
 from outrider.cluster.messages import GenerateRequest
@@ -43,14 +53,16 @@ from outrider.cluster.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    check_unicode,
     chunk_body,
     completion_body,
     new_id,
+    read_json_body,
     usage,
     validation_error,
 )
 from outrider.cluster.served_model import ServedModel
-from outrider.cluster.text import Detokenizer, apply_chat_template, load_tokenizer
+from outrider.cluster.text import Detokenizer, apply_chat_template, load_tokenizer, longest_token_chars
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="Outrider", description="OpenAI-compatible speculative decoding")
@@ -102,11 +114,17 @@ class OpenAIIngress:
         default_max_tokens: int,
         chat_template: str | None = None,
         api_key_file: str | None = None,
+        limits: RequestLimitsArgs | None = None,
     ):
         self.target, self.model, self.default_max_tokens = target, model, default_max_tokens
         self.api_key = read_api_key(api_key_file)
         self.tokenizer = load_tokenizer(model.tokenizer_dir, chat_template)
         self.metrics = Metrics(model.name)
+        self.limits = limits or RequestLimitsArgs()
+        # More characters than this cannot fit the context as tokens, whatever they are.
+        self.max_prompt_chars = self.limits.max_prompt_chars or (
+            model.max_model_len * longest_token_chars(self.tokenizer)
+        )
 
     # ------------------------------------------------------------------ routes
 
@@ -162,16 +180,16 @@ class OpenAIIngress:
         except ApiError as e:
             return self._refuse(e)
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
+            body = await read_json_body(request, self.limits.max_body_bytes)
             if not isinstance(body, dict):
                 raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+            check_unicode(body)
             try:
                 req = schema.model_validate(body)
             except ValidationError as e:
                 raise validation_error(e.errors()) from e
+            except RecursionError as e:
+                raise ApiError(400, "request body is nested too deeply", code="invalid_json") from e
             if req.model != self.model.name:
                 raise ApiError(
                     400,
@@ -189,9 +207,10 @@ class OpenAIIngress:
                     if not isinstance(o, BaseException):
                         o.cancel()
                 raise _as_api_error(failure)
-        except ApiError as e:
-            self.metrics.error(e.status)
-            return e.response()
+        except Exception as e:  # an ApiError, or a bug: logged with its traceback, answered as JSON
+            error = _as_api_error(e)
+            self.metrics.error(error.status)
+            return error.response()
         request_id = new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
             events = self._stream(request_id, req, opened, len(prompt_ids), chat)
@@ -210,25 +229,45 @@ class OpenAIIngress:
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             except ValueError as e:
                 raise ApiError(400, f"messages: {e}", "messages") from e
-            ids, field = apply_chat_template(self.tokenizer, messages), "messages"
+            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+            try:
+                ids, field = apply_chat_template(self.tokenizer, messages), "messages"
+            except TemplateError as e:  # a template may refuse a conversation (roles out of order)
+                raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from e
         elif isinstance(req.prompt, str):
+            self._check_chars(len(req.prompt), "prompt")
             ids, field = self.tokenizer.encode(req.prompt, add_special_tokens=False), "prompt"
         else:
-            ids, field = list(req.prompt), "prompt"
+            ids, field = req.prompt, "prompt"
+            self._check_length(len(ids), field)
             bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
             if bad:
                 raise ApiError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary", "prompt")
         if not ids:
             raise ApiError(400, f"{field}: the prompt is empty", field)
-        if len(ids) >= self.model.max_model_len:
+        self._check_length(len(ids), field)
+        return ids
+
+    def _check_chars(self, chars: int, field: str) -> None:
+        """Before tokenizing: more characters than `max_prompt_chars` cannot fit the context."""
+        if chars > self.max_prompt_chars:
             raise ApiError(
                 400,
-                f"{field}: the prompt is {len(ids)} tokens; this model's context is {self.model.max_model_len} "
+                f"{field}: the prompt is {chars} characters; this model's context of "
+                f"{self.model.max_model_len} tokens holds at most {self.max_prompt_chars}",
+                field,
+                "context_length_exceeded",
+            )
+
+    def _check_length(self, tokens: int, field: str) -> None:
+        if tokens >= self.model.max_model_len:
+            raise ApiError(
+                400,
+                f"{field}: the prompt is {tokens} tokens; this model's context is {self.model.max_model_len} "
                 "tokens, including at least one output token",
                 field,
                 "context_length_exceeded",
             )
-        return ids
 
     def _max_tokens(self, req: SamplingFields, prompt_len: int, chat: bool) -> int:
         room = self.model.max_model_len - prompt_len

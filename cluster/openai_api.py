@@ -9,12 +9,14 @@ names the field, like OpenAI's own:
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from outrider.target_worker.sequence import RequestParams
 
@@ -106,6 +108,18 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     # vLLM's name for OpenAI's newer field; either sets the output budget.
     max_completion_tokens: int | None = Field(None, ge=1)
+    # Tool calls and structured output are not implemented: refused, never silently ignored.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatCompletionRequest:
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tools: tool calling is not supported by this server (send tool_choice 'none')")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("response_format: only {'type': 'text'} is supported by this server")
+        return self
 
     @property
     def output_budget(self) -> int | None:
@@ -130,12 +144,14 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self) -> Response:
+        # ASCII-escaped: a message quoting what the client sent can never fail to encode.
+        return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json")
 
 
 _KINDS = {
     400: "invalid_request_error",
+    413: "invalid_request_error",
     404: "not_found_error",
     429: "rate_limit_exceeded",
     500: "internal_server_error",
@@ -149,9 +165,77 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
     if first.get("type") == "json_invalid":
         return ApiError(400, f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    field, sep, rest = message.partition(": ")
+    if not loc and sep and field.isidentifier():  # a model-level check that names its field
+        return ApiError(400, message, param=field)
     param = ".".join(loc) or None
-    message = str(first.get("msg", "invalid value"))
     return ApiError(400, f"{param}: {message}" if param else message, param=param)
+
+
+async def read_json_body(request: Request, max_bytes: int) -> Any:
+    """The parsed JSON body, reading at most `max_bytes` of it: 413 past that, 400 if not JSON.
+
+    A declared Content-Length over the limit is refused before any byte is read; a chunked
+    body is counted as it arrives, so a refused body costs at most `max_bytes` of reading.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError as e:
+        raise ApiError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from e
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(
+        413, f"request body is larger than this server's limit of {max_bytes} bytes", code="request_too_large"
+    )
+
+
+def check_unicode(body: Any) -> None:
+    """400 naming the field if any string in the JSON body (keys too) is not valid Unicode.
+
+    JSON may escape lone UTF-16 surrogates (`"\\udcff"`), which no tokenizer can encode and
+    no response can echo. Iterative, so a deeply nested body cannot exhaust the stack.
+    """
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                _check_text(key, path or "body", "a key of ")
+                todo.append((where, item))
+        elif isinstance(value, list):
+            todo.extend((f"{path}.{i}", item) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, path or "body")
+
+
+def _check_text(text: str, field: str, what: str = "") -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        raise ApiError(
+            400,
+            f"{field}: {what}text holds a lone UTF-16 surrogate (U+{code:04X} at character {e.start}); "
+            "send valid Unicode",
+            field,
+            "invalid_unicode",
+        ) from None
 
 
 def new_id(prefix: str) -> str:

@@ -82,3 +82,15 @@ class Detokenizer:
             return ""
         delta, self.sent = text[self.sent : upto], upto
         return delta
+
+
+def longest_token_chars(tokenizer) -> int:
+    """An upper bound on the characters of text one token can stand for.
+
+    The longest entry of the vocabulary as written (added and special tokens included): a
+    byte-level BPE token of n bytes is written as n characters and decodes to at most n, a
+    SentencePiece piece is written as its text. So a prompt of more than context x this many
+    characters cannot fit the context. A tokenizer whose normalizer deletes characters breaks
+    the bound: set `request_limits.max_prompt_chars` for it.
+    """
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
