@@ -35,7 +35,9 @@ def build_app(args: OutriderArgs | dict[str, Any] | None = None) -> serve.Applic
         )
     else:
         drafts = None
-    target = TargetWorker.options(**target_options(args, pools)).bind(model, args.model_dump(), drafts)
+    target = TargetWorker.options(**target_options(args, pools)).bind(
+        model, args.model_dump(), drafts, args.engine.seed_key()
+    )
     ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": args.ingress_num_cpus})
     return ingress.bind(
         target,

@@ -25,6 +25,8 @@ A minimal Serve config (`serve run cluster/serve_demo.yaml`):
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from pathlib import Path
 from typing import Any, Literal
 
@@ -105,6 +107,15 @@ class EngineArgs(_Strict):
         "predict it. Set it to make seeded requests reproduce across restarts; default: a random key "
         "per application start, shared by its target replicas.",
     )
+
+    def seed_key(self) -> bytes:
+        """The key `seed_key_file` holds (hashed to 64 bytes), or a fresh random one."""
+        if self.seed_key_file is None:
+            return secrets.token_bytes(32)
+        data = Path(self.seed_key_file).read_bytes()
+        if not data:
+            raise ValueError(f"engine.seed_key_file {self.seed_key_file} is empty")
+        return hashlib.blake2b(data).digest()
 
 
 class TargetDeploymentArgs(_Strict):

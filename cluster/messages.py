@@ -64,6 +64,10 @@ class ReplicaSnapshot:
     draft_round_trip_s: float = 0.0  # time spent waiting in those collects
     trees_late: int = 0  # gRPC drafting only: trees that arrived after their round
     trees_invalid: int = 0  # gRPC drafting only: trees dropped by validation
+    draft_verification: str = ""  # how its draft source's trees are verified (`VerificationMode`); "" = none
+    trees_demoted: int = 0  # sampled trees verified as deterministic proposals (q not trusted)
+    audited_children: int = 0  # children of trusted sampled trees whose p/q the audit checked
+    audit_ratio_sum: float = 0.0  # sum of their p(x) / q(x): the mean is <= 1 for an honest drafter
 
     @classmethod
     def total(cls, snapshots: list[ReplicaSnapshot]) -> ReplicaSnapshot:

@@ -173,6 +173,34 @@ class Metrics:
                 "Mean time the engine waited to collect a round's trees.",
                 [("", _ratio(t.draft_round_trip_s, t.draft_round_trips))],
             )
+            metric(
+                "draft_verification_mode",
+                "gauge",
+                "1 per target replica, labelled with how it verifies its draft source's trees: draft_q "
+                "(the drafter's q is trusted), deterministic (not trusted), deterministic_after_audit "
+                "(trusted until the audit caught a q that lies).",
+                [
+                    (f',replica="{r}",mode="{snap.draft_verification}"', 1)
+                    for r, snap in sorted(self.snapshots.items())
+                    if snap.draft_verification
+                ],
+            )
+            counter(
+                "draft_trees_demoted",
+                t.trees_demoted,
+                "Sampled trees verified as deterministic proposals because their q is not trusted.",
+            )
+            counter(
+                "draft_audit_children",
+                t.audited_children,
+                "Children of trusted sampled trees whose p/q the audit checked.",
+            )
+            metric(
+                "draft_audit_mean_ratio",
+                "gauge",
+                "Mean p(x)/q(x) over audited children: at most 1 for an honest drafter.",
+                [("", _ratio(t.audit_ratio_sum, t.audited_children))],
+            )
             counter("spec_cache_hits", d.cache_hits, "Draft rounds answered from the speculation cache.")
             counter(
                 "spec_cache_lookups", d.cache_lookups, "Draft rounds that looked in the speculation cache."

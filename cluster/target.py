@@ -37,8 +37,10 @@ log = logging.getLogger(__name__)
 
 @serve.deployment(name="TargetWorker", health_check_period_s=10, graceful_shutdown_timeout_s=20)
 class TargetWorker:
-    def __init__(self, model: ServedModel, args: dict[str, Any], drafts=None):
-        """`drafts`: the draft deployment's handle when there is one (its replicas are found by registry)."""
+    def __init__(self, model: ServedModel, args: dict[str, Any], drafts=None, seed_key: bytes | None = None):
+        """`drafts`: the draft deployment's handle when there is one (its replicas are found by
+        registry). `seed_key`: the application's secret for seeded requests, the same in every
+        replica (`EngineArgs.seed_key`); None draws one for this replica alone."""
         import torch
 
         from outrider.target_worker.engine import Engine
@@ -58,6 +60,7 @@ class TargetWorker:
             max_batch=engine_args.max_num_seqs,
             tree_budget=self.args.tree_budget_limit,
             draft_timeout_s=self.args.draft_pool.round_deadline_ms / 1000,
+            seed_key=seed_key or engine_args.seed_key(),
         )
         self.loop = EngineLoop(self.engine, engine_args.max_num_seqs, engine_args.max_queued_requests)
         self.replica = context.replica_id.unique_id
@@ -136,6 +139,7 @@ class TargetWorker:
             draft_round_trip_s=drafts.collect_s if drafts is not None else 0.0,
             trees_late=client.trees_late if client is not None else 0,
             trees_invalid=client.trees_invalid if client is not None else 0,
+            **_trust_fields(self.engine.trust),
         )
 
     def __del__(self) -> None:
@@ -148,6 +152,18 @@ class TargetWorker:
             self.shards.shutdown()
 
 
+def _trust_fields(trust) -> dict[str, Any]:
+    """The snapshot's view of `engine.trust` (None without speculation)."""
+    if trust is None:
+        return {}
+    return dict(
+        draft_verification=trust.mode.value,
+        trees_demoted=trust.demoted_trees,
+        audited_children=trust.audited_children,
+        audit_ratio_sum=trust.ratio_sum,
+    )
+
+
 class TimedDraftSource(DraftSource):
     """Any draft source, with the time the engine spends waiting in `collect` (the round trip).
 
@@ -158,11 +174,15 @@ class TimedDraftSource(DraftSource):
     def __init__(self, inner: DraftSource, client_counters=None, watcher: DraftPoolWatcher | None = None):
         self.inner, self.client_counters, self.watcher = inner, client_counters, watcher
         self.collects, self.collect_s = 0, 0.0
-        self.validates_trees = inner.validates_trees
+        self.validates_trees, self.trusts_q = inner.validates_trees, inner.trusts_q
 
     @property
     def feature_spec(self):
         return self.inner.feature_spec
+
+    @property
+    def label(self) -> str:
+        return self.inner.label
 
     def submit(self, updates) -> None:
         self.inner.submit(updates)
@@ -238,7 +258,9 @@ def build_draft_source(args: OutriderArgs, model: ServedModel, runner, app_name:
     source = RemoteDraftSource(
         addresses,
         handshake,
-        DraftClientConfig(round_deadline_s=pool.round_deadline_ms / 1000, tls=tls, token=token),
+        DraftClientConfig(
+            round_deadline_s=pool.round_deadline_ms / 1000, tls=tls, token=token, trust_q=pool.trusts_drafts
+        ),
     )
     if not source.wait_ready(timeout_s=60):
         log.warning("no draft worker reachable at %s yet; decoding without drafts until one is", addresses)

@@ -266,17 +266,19 @@ def _check_values(
             token=tokens,
             p=parents,
         )
-    # Without replacement, siblings are distinct draws; a repeated token would make the
-    # verifier's q update (zero the rejected token, renormalise) wrong.
+    # Siblings are distinct except in WITH_REPLACEMENT trees (i.i.d. draws may repeat): without
+    # replacement a repeat would make the verifier's q update (zero the rejected token,
+    # renormalise) wrong, and a deterministic repeat is a node verified for nothing (its token
+    # was zeroed in the residual when its first copy was rejected).
     in_vocab = (tokens >= 0) & (tokens < vocab_size)
-    distinct = (modes == DraftSampling.WITHOUT_REPLACEMENT) & linked & in_vocab
+    distinct = (modes != DraftSampling.WITH_REPLACEMENT) & linked & in_vocab
     key = np.where(distinct, gparent * vocab_size + tokens, -1 - node)  # unique where not checked
     _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
     findings.flag(
         distinct & (counts[inverse] > 1),
         owner,
-        "tokens[{i}] = {token} repeats a sibling's token under node {p}; WITHOUT_REPLACEMENT siblings "
-        "are distinct",
+        "tokens[{i}] = {token} repeats a sibling's token under node {p}; only WITH_REPLACEMENT "
+        "siblings may repeat",
         i=local,
         token=tokens,
         p=parents,

@@ -59,6 +59,11 @@ class DraftSource(abc.ABC):
     # gRPC), so the engine has work to overlap with it (`Engine` lanes). In-process sources
     # draft inside `collect`, on the engine's own thread, and leave it False.
     overlaps_drafting: bool = False
+    # True: the q each tree carries may be used in the acceptance test (`draft_trust`), which is
+    # lossless only if the children really were drawn from it. The operator's decision, never the
+    # drafter's: in-process proposers are trusted, remote ones only when configured so. Untrusted
+    # trees are verified as deterministic proposals, lossless whatever they hold.
+    trusts_q: bool = False
 
     @property
     @abc.abstractmethod
@@ -72,6 +77,11 @@ class DraftSource(abc.ABC):
     @abc.abstractmethod
     def collect(self, seq_ids: Sequence[int], timeout_s: float | None = None) -> dict[int, CandidateTree]:
         """Trees for the submitted sequences that are ready within `timeout_s` (None: wait for all)."""
+
+    @property
+    def label(self) -> str:
+        """How logs name this source."""
+        return type(self).__name__
 
     def close(self) -> None:  # noqa: B027 - optional hook: in-process sources hold nothing to release
         """Release connections and state."""
@@ -98,6 +108,8 @@ class TreeProposer(Protocol):
 
 class InProcessDraftSource(DraftSource):
     """A proposer running in the engine's own process; drafting happens inside `collect`."""
+
+    trusts_q = True  # our own code, in our own process
 
     def __init__(self, proposer: TreeProposer):
         self.proposer = proposer

@@ -36,7 +36,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -57,6 +57,7 @@ from outrider.proto import (
     check_trees,
 )
 from outrider.target_worker.draft_source import DraftSource
+from outrider.target_worker.draft_trust import PROCESS_SEED_KEY, DraftTrust, derive_seed
 from outrider.target_worker.drafter_features import capture_for, gather_features, keep_features, verified_rows
 from outrider.target_worker.kv_cache import CacheFullError
 from outrider.target_worker.lanes import LaneTuner
@@ -105,8 +106,13 @@ class Engine:
         draft_timeout_s: float | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
         lanes: int | None = None,
+        seed_key: bytes = PROCESS_SEED_KEY,
     ):
         """`draft_source` None = speculation off. `detokenize` is needed for stop strings.
+
+        `seed_key`: the secret from which a seeded request's verification randomness and its
+        drafter's seed are derived apart (`draft_trust.derive_seed`): a drafter that knows the
+        request's seed still cannot predict the verifier's uniforms.
 
         `lanes`: 2 alternates halves of the batch so remote drafting overlaps verification
         (module docstring); None = for a source that `overlaps_drafting`, 1 or 2 by measured
@@ -134,6 +140,9 @@ class Engine:
         self.lanes, self._turn = lanes, 0  # the lane the next step verifies
         self.stats = EngineStats()
         self._next_id = 0
+        self.seed_key = seed_key
+        # Whose q the verifier may use: the source's own declaration, made by the operator.
+        self.trust = DraftTrust(draft_source.trusts_q, draft_source.label) if draft_source else None
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -154,10 +163,12 @@ class Engine:
                 f"a sequence can hold at most {most} (max_model_len {self.runner.max_model_len}, "
                 f"KV cache {self.cache.total_rows} rows)"
             )
-        generator = None
+        generator, draft_sampling = None, params.sampling
         if params.seed is not None:
-            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
-        seq = Sequence(self._next_id, params, prompt, len(prompt), generator)
+            verify_seed = derive_seed(self.seed_key, params.seed, "verify")
+            generator = torch.Generator(self.runner.device).manual_seed(verify_seed)
+            draft_sampling = replace(draft_sampling, seed=derive_seed(self.seed_key, params.seed, "draft"))
+        seq = Sequence(self._next_id, params, prompt, len(prompt), generator, draft_sampling)
         self._next_id += 1
         self.waiting.append(seq)
         return seq.seq_id
@@ -205,8 +216,10 @@ class Engine:
         outputs = []
         if plan.trees is not None:
             # 3. Verify every tree against p (after each request's temperature/top-k/top-p).
-            p = self._target_probs(plan, out.logits)
-            res = verify(plan.trees, p, self._is_greedy(plan), self._randoms(plan))
+            p, greedy = self._target_probs(plan, out.logits), self._is_greedy(plan)
+            res = verify(plan.trees, p, greedy, self._randoms(plan))
+            if self.trust is not None:
+                self.trust.audit(plan.trees, p, greedy)  # trusted sampled trees: is q honest?
             # 4. Commit: the accepted paths' K/V move next to their roots; tokens are appended.
             self.cache.commit_paths(res.accepted_node_ids, plan.root_rows)
             self.stats.spec.observe(plan.trees.cu_num_draft_tokens, res)
@@ -320,7 +333,8 @@ class Engine:
         self.stats.num_trees += len(good)
         if self.drafts is not None:
             self.stats.num_missing_trees += len(ready) - len(pairs)
-        return [good[s.seq_id] if s.seq_id in good else root_only_tree(s, self.round) for s in ready]
+        trees = [good[s.seq_id] if s.seq_id in good else root_only_tree(s, self.round) for s in ready]
+        return self.trust.prepare(trees) if self.trust is not None else trees
 
     def _submit_deltas(self, finished: list[Sequence]) -> None:
         if self.drafts is None:
@@ -343,7 +357,7 @@ class Engine:
             seq_id=seq.seq_id,
             round=self.round + 1,
             new_tokens=torch.tensor(seq.tokens[seq.num_sent :], dtype=torch.int64),
-            sampling=seq.params.sampling,
+            sampling=seq.draft_sampling,
             budget=budget,
             features=features,
             finished=finished,

@@ -80,6 +80,7 @@ class Sequence:
     tokens: list[int]  # prompt + output; the last one is the root once decoding
     num_prompt: int
     generator: torch.Generator | None  # per-request stream for verification's random numbers
+    draft_sampling: SamplingParams  # what the drafter is told: a seed derived apart from the verifier's
     cache_start: int = -1  # first row of the KV extent; -1 until admitted
     cache_rows: int = 0  # rows in the extent
     num_cached: int = 0  # tokens whose K/V is in the cache

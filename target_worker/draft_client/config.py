@@ -28,6 +28,7 @@ class DraftClientConfig:
     token: str | None = None  # sent as `authorization: Bearer <token>` on every call
     tls: ClientTls | None = None
     features: FeatureSpec = FeatureSpec()  # expected until a worker's handshake says otherwise
+    trust_q: bool = False  # verify with the workers' q (the operator trusts their sampling; audited)
 
 
 @dataclass

@@ -36,6 +36,7 @@ class RemoteDraftSource(DraftSource):
         if not addresses:
             raise ValueError("RemoteDraftSource needs at least one draft worker address")
         self.handshake, self.config = handshake, config or DraftClientConfig()
+        self.trusts_q = self.config.trust_q
         self.counters = DraftClientCounters()
         self._cond = threading.Condition()  # the one lock (module docstring)
         self._features = FeatureAgreement(self.config.features)
@@ -60,6 +61,10 @@ class RemoteDraftSource(DraftSource):
     @property
     def feature_spec(self) -> FeatureSpec:
         return self._features.spec
+
+    @property
+    def label(self) -> str:
+        return "draft workers " + ", ".join(e.address for e in self.endpoints)
 
     def feature_projection(self) -> torch.Tensor | None:
         return self._features.projection

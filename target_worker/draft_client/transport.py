@@ -201,6 +201,15 @@ class Connections:
             endpoint.limits, endpoint.outbox = limits, outbox
             endpoint.healthy, endpoint.refused, endpoint.last_error = True, False, None
             self._cond.notify_all()
+        log.info(
+            "draft worker %s (%s, %s): connected; its sampled trees are verified %s",
+            endpoint.address,
+            response.draft_model_id,
+            response.method,
+            "with its q (trusted by configuration, audited)"
+            if self.config.trust_q
+            else "as deterministic proposals (its q is not trusted)",
+        )
         return True
 
     def _receive_loop(self, endpoint: Endpoint) -> None:

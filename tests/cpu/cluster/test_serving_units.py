@@ -132,6 +132,27 @@ def test_metrics_page_takes_the_cache_hit_rate_from_the_draft_replicas():
     assert 'outrider:draft_trees_pushed_total{model_name="m"} 6' in page
 
 
+def test_metrics_page_says_how_each_replica_verifies_its_drafts():
+    metrics = Metrics("m")
+    metrics.snapshot(ReplicaSnapshot(replica="a", draft_verification="deterministic", trees_demoted=7))
+    metrics.snapshot(
+        ReplicaSnapshot(
+            replica="b",
+            draft_verification="draft_q",
+            audited_children=4,
+            audit_ratio_sum=3.0,
+            trees_demoted=1,
+        )
+    )
+    metrics.snapshot(ReplicaSnapshot(replica="c"))  # speculation off: no mode
+    page = metrics.render()
+    assert 'outrider:draft_verification_mode{model_name="m",replica="a",mode="deterministic"} 1' in page
+    assert 'outrider:draft_verification_mode{model_name="m",replica="b",mode="draft_q"} 1' in page
+    assert 'replica="c"' not in page
+    assert 'outrider:draft_trees_demoted_total{model_name="m"} 8' in page
+    assert 'outrider:draft_audit_mean_ratio{model_name="m"} 0.75' in page
+
+
 @dataclass
 class _Out:
     request_id: int

@@ -17,6 +17,7 @@ from draft_testlib import VOCAB, bigram_table
 from outrider.draft_worker import build_proposer
 from outrider.kernels import draw_verify_randoms, pack_trees, process_logits, verify
 from outrider.proto import DraftSampling, SamplingParams, SequenceUpdate, TreeBudget
+from outrider.target_worker.draft_trust import DraftTrust
 
 NUM_DRAWS = 20_000
 DELTA = 1e-6
@@ -28,8 +29,11 @@ def tv_bound(cells: int) -> float:
     return math.sqrt(2 * (cells * math.log(2) + math.log(1 / DELTA)) / NUM_DRAWS) / 2
 
 
+@pytest.mark.parametrize("trusted", [True, False], ids=["draft_q", "demoted"])
 @pytest.mark.parametrize("mode", ["with_replacement", "without_replacement", "deterministic"])
-def test_first_token_follows_the_target(mode):
+def test_first_token_follows_the_target(mode, trusted):
+    """Both ways a target verifies drafts (`draft_trust`): with the drafter's q, and demoted to
+    deterministic proposals; a trusted drafter's q also passes the audit."""
     torch.manual_seed(1)
     config = {"method": "test_bigram", "num_speculative_tokens": 3, "tree_top_k": 3, "tree_max_nodes": 8}
     proposer = build_proposer(config | {"draft_sampling": mode}, vocab_size=VOCAB)
@@ -44,10 +48,13 @@ def test_first_token_follows_the_target(mode):
     trees = proposer.propose(updates)
     assert trees[0].sampling == DraftSampling[mode.upper()] and trees[0].num_nodes == 8
 
-    packed = pack_trees(trees)
+    trust = DraftTrust(trusted)
+    packed = pack_trees(trust.prepare(trees))
     randoms = draw_verify_randoms(packed.cu_num_draft_tokens, VOCAB, torch.Generator().manual_seed(2))
     is_greedy = torch.zeros(NUM_DRAWS, dtype=torch.bool)
     out = verify(packed, p[packed.token_ids], is_greedy, randoms, backend="torch")
+    trust.audit(packed, p[packed.token_ids], is_greedy)
+    assert trust.uses_q == trusted  # an honest drafter keeps its trust
     first = torch.bincount(out.output_token_ids[:, 0], minlength=VOCAB).double() / NUM_DRAWS
     assert 0.5 * float((first - p[ROOT]).abs().sum()) < tv_bound(VOCAB)
     assert float(out.num_accepted.float().mean()) > 0.5  # deep enough to exercise residuals

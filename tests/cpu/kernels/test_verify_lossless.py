@@ -109,3 +109,46 @@ def test_check_catches_a_residual_that_ignores_the_current_siblings_q() -> None:
 def test_bound_matches_the_documented_figures() -> None:
     assert tv_bound(VOCAB) == pytest.approx(0.0095, abs=5e-4)
     assert tv_bound(VOCAB * VOCAB) == pytest.approx(0.0139, abs=5e-4)
+
+
+@pytest.mark.parametrize("drafted", MODES[1:], ids=lambda m: m.name.lower())
+def test_sampled_drafts_verified_as_deterministic_proposals_follow_target(drafted: DraftSampling) -> None:
+    """An untrusted drafter's trees are demoted (`target_worker.draft_trust`): children drawn
+    from q (repeats and all) but tested with u < r(x) / S, never with the q that came along."""
+    p, q = toy_tables("none")
+    t1, t2 = sample_two_tokens(p, q, [3, 2], drafted, DraftSampling.DETERMINISTIC)
+    tv_first, tv_pair = tv_distances(p, t1, t2)
+    assert tv_first < tv_bound(VOCAB) and tv_pair < tv_bound(VOCAB * VOCAB), (tv_first, tv_pair)
+
+
+def chosen_token_first_outputs(verified_as: DraftSampling, chosen: int) -> torch.Tensor:
+    """First output tokens when every tree is root -> `chosen` -> `chosen`, sent with a q row
+    that claims chosen has probability 1e-6: the lying drafter of docs/algorithms.md section 2b."""
+    p, _ = toy_tables("none")
+    claim = torch.full((VOCAB,), (1 - 1e-6) / (VOCAB - 1))
+    claim[chosen] = 1e-6
+    lying_q = claim.expand(VOCAB, VOCAB).contiguous()
+    one_hot = torch.zeros(VOCAB, VOCAB)
+    one_hot[:, chosen] = 1.0
+    gen = torch.Generator().manual_seed(99)
+    trees = draft_trees(torch.full((NUM_DRAWS,), ROOT), one_hot, [1, 1], DraftSampling.WITH_REPLACEMENT, gen)
+    trees.q_probs = lying_q[trees.token_ids[trees.q_index >= 0]]
+    trees.sampling.fill_(int(verified_as))
+    randoms = draw_verify_randoms(trees.cu_num_draft_tokens, VOCAB, gen)
+    out = verify(
+        trees, p[trees.token_ids], torch.zeros(NUM_DRAWS, dtype=torch.bool), randoms, backend="torch"
+    )
+    return out.output_token_ids[:, 0]
+
+
+def test_a_drafter_choosing_tokens_cannot_steer_a_deterministic_verifier() -> None:
+    p, _ = toy_tables("none")
+    chosen = int(p[ROOT].argmin())
+    trusted = torch.bincount(
+        chosen_token_first_outputs(DraftSampling.WITH_REPLACEMENT, chosen), minlength=VOCAB
+    )
+    demoted = torch.bincount(chosen_token_first_outputs(DraftSampling.DETERMINISTIC, chosen), minlength=VOCAB)
+    # With its q believed, the chosen token (the target's least likely) is nearly always output.
+    assert float(trusted[chosen]) / NUM_DRAWS > 0.99 > 10 * float(p[ROOT, chosen])
+    tv = 0.5 * float((demoted.double() / NUM_DRAWS - p[ROOT]).abs().sum())
+    assert tv < tv_bound(VOCAB), tv

@@ -235,16 +235,20 @@ def test_sampled_tree_rejects_child_with_zero_q_probability() -> None:
     rejects(make_tree(q_probs=probs), r"tokens\[2\] = 9 has probability 0")
 
 
-def test_without_replacement_rejects_repeated_siblings() -> None:
+@pytest.mark.parametrize("sampling", [DraftSampling.WITHOUT_REPLACEMENT, DraftSampling.DETERMINISTIC])
+def test_distinct_modes_reject_repeated_siblings(sampling: DraftSampling) -> None:
     rejects(
-        make_tree(tokens=torch.tensor([5, 7, 7, 11])),
+        make_tree(sampling, tokens=torch.tensor([5, 7, 7, 11])),
         r"tokens\[\d\] = 7 repeats a sibling's token under node 0",
     )
 
 
-@pytest.mark.parametrize("sampling", [DraftSampling.DETERMINISTIC, DraftSampling.WITH_REPLACEMENT])
-def test_other_modes_allow_repeated_siblings(sampling: DraftSampling) -> None:
-    validate_tree(make_tree(sampling, tokens=torch.tensor([5, 7, 7, 11])), BUDGET, VOCAB)
+def test_with_replacement_allows_repeated_siblings() -> None:
+    """i.i.d. draws may repeat; a target that does not trust the drafter prunes the repeats
+    when it demotes the tree (`target_worker.draft_trust.demote`)."""
+    validate_tree(
+        make_tree(DraftSampling.WITH_REPLACEMENT, tokens=torch.tensor([5, 7, 7, 11])), BUDGET, VOCAB
+    )
 
 
 def test_batch_reports_each_bad_tree_and_only_those() -> None:

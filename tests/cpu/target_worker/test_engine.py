@@ -262,7 +262,9 @@ def test_lanes_even_out_when_sequences_end_unevenly(runner):
     engine = Engine(
         runner, OverlappingSource(proposer_for("ngram", runner.model.vocab_size)), eos_token_id=None
     )
-    seqs = [Sequence(i, RequestParams(), [1, 2], 1, None) for i in range(5)]  # all in lane 0
+    seqs = [
+        Sequence(i, RequestParams(), [1, 2], 1, None, RequestParams().sampling) for i in range(5)
+    ]  # all in lane 0
     first = engine._lane_to_verify(seqs)
     sizes = sorted(sum(s.lane == lane for s in seqs) for lane in (0, 1))
     assert sizes == [2, 3]
