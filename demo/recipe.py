@@ -9,7 +9,7 @@ Why these sizes (2-core CPU, bf16 autocast; measured with `outrider demo build`)
   so the target is ~5M parameters (H=256, 4 layers) at context 256 rather than the 24M/512
   reference, and the draft LM is ~1.4M parameters distilled from the target (a distilled
   draft agrees with its target far more than one trained on the data alone: docs/algorithms.md section 9).
-- `tiny` exists for tests: it must build in well under a minute, so it has a 2k vocabulary
+- `tiny` exists for tests: it must build in a few minutes, so it has a 2k vocabulary
   trained on a tenth of the corpus and a two-layer target.
 """
 

@@ -2,9 +2,11 @@
 
 A round (docs/architecture.md, "One round"; docs/algorithms.md sections 1-2), as `step` reads:
 
-    trees = drafts.collect(...)             # one per decoding sequence; untrusted, so checked
+    trees = drafts.collect(...)             # one per decoding sequence; untrusted, so checked,
+                                            #   and demoted unless the source's q is trusted
     out = runner.forward(...)               # new prompts' chunks + every tree, one ragged batch
     res = verify(trees, p, greedy, rand)    # lossless; greedy and sampled rows together
+    trust.audit(trees, p)                   # a trusted source's q, checked against p (draft_trust)
     cache.commit_paths(...)                 # the accepted paths' K/V follow their roots
     ... append, stop, free, stream          # the caller gets per-request token deltas
     drafts.submit(deltas)                   # drafting of the next round overlaps the caller

@@ -39,6 +39,41 @@ def test_config_validates_at_the_edge():
         assert (first["loc"] or (None,))[0] == field or first["msg"].startswith(f"Value error, {field}:")
 
 
+@pytest.mark.parametrize(
+    "pool,trusted",
+    [
+        ({}, True),  # colocated: the proposer runs in the target's own process
+        ({"mode": "deployment"}, True),  # the application's own draft deployment
+        ({"draft_endpoints": ["10.0.0.2:50051"]}, False),  # external: never trusted by default
+        ({"draft_endpoints": ["10.0.0.2:50051"], "trust_draft_distribution": True}, True),
+        ({"mode": "deployment", "trust_draft_distribution": False}, False),
+    ],
+)
+def test_whose_draft_q_is_trusted_is_the_operators_choice(pool, trusted):
+    assert load_args({"draft_pool": pool}).draft_pool.trusts_drafts is trusted
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_the_timed_wrapper_keeps_its_sources_trust(trusted):
+    from outrider.cluster.target import TimedDraftSource
+
+    inner = SimpleNamespace(validates_trees=True, trusts_q=trusted, label="draft workers a:1")
+    timed = TimedDraftSource(inner)
+    assert timed.trusts_q is trusted and timed.label == "draft workers a:1"
+
+
+def test_seed_key_comes_from_its_file_or_fresh(tmp_path):
+    engine = load_args({}).engine
+    assert len(engine.seed_key()) == 32 and engine.seed_key() != engine.seed_key()
+    key_file = tmp_path / "seed.key"
+    key_file.write_bytes(b"a secret")
+    engine = load_args({"engine": {"seed_key_file": str(key_file)}}).engine
+    assert engine.seed_key() == engine.seed_key() and len(engine.seed_key()) == 64
+    key_file.write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        engine.seed_key()
+
+
 def test_every_config_field_has_a_description():
     def check(model) -> None:
         for name, field in model.model_fields.items():

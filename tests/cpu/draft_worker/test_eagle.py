@@ -28,6 +28,7 @@ from outrider.target_worker.draft_client import (
     tokenizer_fingerprint,
 )
 from outrider.target_worker.draft_source import InProcessDraftSource
+from outrider.target_worker.draft_trust import VerificationMode
 from outrider.target_worker.engine import Engine
 from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import RequestParams
@@ -159,6 +160,7 @@ def test_sampled_tokens_follow_the_target(tiny_family, heads, prompts, name):
     eng = engine(tiny_family, configs(heads)[name], max_batch=n, rows=n * 48)
     out = torch.tensor(generate(eng, [prompt] * n, params))  # [N, K]
     assert eng.stats.spec.num_accepted_tokens >= 20, eng.stats.spec  # measured 34-37 (tiny heads, T = 1)
+    assert eng.trust.mode == VerificationMode.DRAFT_Q and eng.trust.audited_children > 0  # honest: kept
     sequences = [prompt + row[:-1] for row in out.tolist()]
     p_bar = target_probs(tiny_family, sequences, len(prompt), k).mean(0)  # [K, V]
     freq = torch.zeros_like(p_bar).scatter_add_(1, out.T, torch.ones(k, n)) / n

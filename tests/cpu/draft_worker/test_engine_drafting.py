@@ -17,6 +17,7 @@ from outrider.draft_worker import build_proposer
 from outrider.kernels import process_logits
 from outrider.target_worker.batch import SequenceChunk, build_forward_batch
 from outrider.target_worker.draft_source import InProcessDraftSource
+from outrider.target_worker.draft_trust import VerificationMode
 from outrider.target_worker.engine import Engine
 from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import RequestParams
@@ -100,8 +101,10 @@ def next_token_probs(model_dir, sequences: list[list[int]], start: int, count: i
     return process_logits(logits, torch.full((n * count,), temperature)).view(n, count, -1)
 
 
-@pytest.mark.parametrize("method", ["draft_model-chain", "draft_model-tree"])
-def test_first_sampled_tokens_follow_the_target(family, method):
+@pytest.mark.parametrize(
+    "method,trusted", [("draft_model-chain", True), ("draft_model-tree", True), ("draft_model-tree", False)]
+)
+def test_first_sampled_tokens_follow_the_target(family, method, trusted):
     """N sequences sample K tokens each from one prompt, in one batch, and every token is
     checked against the target's distribution given the prefix actually drawn.
 
@@ -113,6 +116,9 @@ def test_first_sampled_tokens_follow_the_target(family, method):
     that partition is <= 15 eps) and the Scheffe set {pbar > qbar}, whose gap would be
     TV(pbar, qbar) if the draft's own distribution leaked into the output: that TV must
     exceed 2 eps, or the test could not tell target from draft. N = 600: eps = 0.099.
+
+    `trusted`: the drafter's q is used (and audited: an honest drafter keeps its trust), or
+    its trees are verified as deterministic proposals (`target_worker.draft_trust`).
     """
     fam, prompts = family
     n, k, temperature, delta = 600, 4, 1.0, 1e-3
@@ -121,8 +127,13 @@ def test_first_sampled_tokens_follow_the_target(family, method):
     eng = engine(
         fam, methods(fam.draft_dir)[method], max_batch=n, rows=n * 48, max_model_len=40, kv_cache_rows=n * 48
     )
+    eng.trust.trusted = trusted
     out = torch.tensor(generate(eng, [prompt] * n, params))  # [N, K]
     assert eng.stats.spec.num_drafts > 0
+    if trusted:
+        assert eng.trust.mode == VerificationMode.DRAFT_Q and eng.trust.audited_children > 0
+    else:
+        assert eng.trust.demoted_trees > 0
 
     sequences = [prompt + row[:-1] for row in out.tolist()]
     p_bar = next_token_probs(fam.target_dir, sequences, len(prompt), k, temperature).mean(0)  # [K, V]

@@ -32,6 +32,7 @@ from draft_client_testlib import (
 
 from outrider.proto import outrider_pb2 as pb
 from outrider.proto import outrider_pb2_grpc as pb_grpc
+from outrider.target_worker.draft_client import DraftClientConfig, RemoteDraftSource
 from outrider.target_worker.draft_source import DraftSource, InProcessDraftSource
 from outrider.target_worker.draft_trust import VerificationMode
 from outrider.target_worker.engine import Engine
@@ -139,6 +140,15 @@ def run_against_liar(tiny_family, runner, prompt, liar, trust_q: bool, auditing:
         outputs, engine = sample(runner, prompt, source, range(NUM_SAMPLES), auditing)
         assert source.counters.trees_received > 0 and source.counters.trees_invalid == 0
         return Counter(o[1] for o in outputs), engine, source.counters
+    finally:
+        source.close()
+
+
+def test_a_remote_source_is_untrusted_unless_configured(tiny_family, runner, liar):
+    source = RemoteDraftSource([liar], target_handshake(tiny_family))
+    try:
+        assert not source.trusts_q and not DraftClientConfig().trust_q
+        assert Engine(runner, source, eos_token_id=None).trust.mode == VerificationMode.DETERMINISTIC
     finally:
         source.close()
 
