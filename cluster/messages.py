@@ -68,6 +68,9 @@ class ReplicaSnapshot:
     trees_demoted: int = 0  # sampled trees verified as deterministic proposals (q not trusted)
     audited_children: int = 0  # children of trusted sampled trees whose p/q the audit checked
     audit_ratio_sum: float = 0.0  # sum of their p(x) / q(x): the mean is <= 1 for an honest drafter
+    budget_depths: tuple[int, ...] = ()  # [d] = sequence-rounds the policy gave draft depth d
+    policy_predicted_tokens: float = 0.0  # tokens the policy expected those sequence-rounds to commit
+    policy_measured_tokens: int = 0  # and what they committed
 
     @classmethod
     def total(cls, snapshots: list[ReplicaSnapshot]) -> ReplicaSnapshot:

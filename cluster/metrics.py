@@ -201,6 +201,29 @@ class Metrics:
                 "Mean p(x)/q(x) over audited children: at most 1 for an honest drafter.",
                 [("", _ratio(t.audit_ratio_sum, t.audited_children))],
             )
+            lines.append(
+                f"# HELP {PREFIX}spec_decode_draft_depth Draft depth the speculation policy gave each sequence-round (0: none)."
+            )
+            lines.append(f"# TYPE {PREFIX}spec_decode_draft_depth histogram")
+            cumulative = 0
+            for depth, count in enumerate(t.budget_depths):
+                cumulative += count
+                lines.append(f'{PREFIX}spec_decode_draft_depth_bucket{{{labels},le="{depth}"}} {cumulative}')
+            lines.append(f'{PREFIX}spec_decode_draft_depth_bucket{{{labels},le="+Inf"}} {cumulative}')
+            lines.append(f"{PREFIX}spec_decode_draft_depth_count{{{labels}}} {cumulative}")
+            lines.append(
+                f"{PREFIX}spec_decode_draft_depth_sum{{{labels}}} {sum(d * n for d, n in enumerate(t.budget_depths))}"
+            )
+            counter(
+                "spec_policy_predicted_tokens",
+                t.policy_predicted_tokens,
+                "Tokens the speculation policy expected its budgets to commit (sum over sequence-rounds).",
+            )
+            counter(
+                "spec_policy_measured_tokens",
+                t.policy_measured_tokens,
+                "Tokens those sequence-rounds committed: compare with spec_policy_predicted_tokens.",
+            )
             counter("spec_cache_hits", d.cache_hits, "Draft rounds answered from the speculation cache.")
             counter(
                 "spec_cache_lookups", d.cache_lookups, "Draft rounds that looked in the speculation cache."

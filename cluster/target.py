@@ -25,11 +25,12 @@ from typing import Any
 
 from ray import serve
 
-from outrider.cluster.config import OutriderArgs, load_args
+from outrider.cluster.config import OutriderArgs, load_args, parse_speculative
 from outrider.cluster.draft_registry import DraftPoolWatcher
 from outrider.cluster.engine_loop import EngineLoop
 from outrider.cluster.messages import GenerateRequest, ReplicaSnapshot, StreamChunk
 from outrider.cluster.served_model import ServedModel
+from outrider.proto import TreeBudget
 from outrider.target_worker.draft_source import DraftSource
 
 log = logging.getLogger(__name__)
@@ -53,12 +54,14 @@ class TargetWorker:
         runner = self._build_runner()
         context = serve.get_replica_context()
         self.draft_source = build_draft_source(self.args, model, runner, context.app_name)
+        ceiling, budget_policy = round_ceiling(self.args, model)
         self.engine = Engine(
             runner,
             self.draft_source,
             eos_token_id=model.eos_token_id,
             max_batch=engine_args.max_num_seqs,
-            tree_budget=self.args.tree_budget_limit,
+            tree_budget=ceiling,
+            budget_policy=budget_policy,
             draft_timeout_s=self.args.draft_pool.round_deadline_ms / 1000,
             seed_key=seed_key or engine_args.seed_key(),
         )
@@ -140,6 +143,7 @@ class TargetWorker:
             trees_late=client.trees_late if client is not None else 0,
             trees_invalid=client.trees_invalid if client is not None else 0,
             **_trust_fields(self.engine.trust),
+            **_policy_fields(self.engine.policy),
         )
 
     def __del__(self) -> None:
@@ -161,6 +165,17 @@ def _trust_fields(trust) -> dict[str, Any]:
         trees_demoted=trust.demoted_trees,
         audited_children=trust.audited_children,
         audit_ratio_sum=trust.ratio_sum,
+    )
+
+
+def _policy_fields(policy) -> dict[str, Any]:
+    """The snapshot's view of `engine.policy` (None without speculation)."""
+    if policy is None:
+        return {}
+    return dict(
+        budget_depths=tuple(policy.stats.depth_counts),
+        policy_predicted_tokens=policy.stats.predicted_tokens,
+        policy_measured_tokens=policy.stats.measured_tokens,
     )
 
 
@@ -215,6 +230,23 @@ def speculative_for(args: OutriderArgs, model: ServedModel) -> dict[str, Any] | 
     if model.head_dir:
         return {**spec, "model": model.head_dir}
     return spec
+
+
+def round_ceiling(args: OutriderArgs, model: ServedModel) -> tuple[TreeBudget, str]:
+    """The most any sequence drafts per round (the deployment's `tree_budget` limit, within the
+    drafter's own tree keys: `num_speculative_tokens` is the depth ceiling), and the budget policy."""
+    limit, spec = args.tree_budget_limit, speculative_for(args, model)
+    if spec is None:
+        return limit, "fixed"
+    drafter = parse_speculative(spec)
+    own = drafter.budget
+    ceiling = TreeBudget(
+        max_nodes=min(limit.max_nodes, own.max_nodes),
+        max_depth=min(limit.max_depth, own.max_depth),
+        top_k=min(limit.top_k, own.top_k),
+        q_width=min(limit.q_width, own.q_width),
+    )
+    return ceiling, drafter.budget_policy
 
 
 def build_draft_source(args: OutriderArgs, model: ServedModel, runner, app_name: str):

@@ -16,6 +16,10 @@ Common keys (every method):
                             ~ sum(min(p, q)) rather than p(x) alone (a one-entry row)
     draft_sampling          how model-based proposers draw children at T > 0:
                             "without_replacement" (default), "with_replacement", "deterministic"
+    budget_policy           how the target sizes each round's drafts: "adaptive" (default: per
+                            sequence and round, up to the tree keys above, 0 when drafting does
+                            not pay; target_worker/spec_policy.py) or "fixed" (always the tree
+                            keys above: vLLM's fixed K, for comparisons)
 
 The tree keys give the *default* budget, which is also the most this drafter offers at the
 handshake; the engine may send a smaller TreeBudget any round. Every other key belongs to the
@@ -40,7 +44,9 @@ COMMON_KEYS = (
     "tree_max_nodes",
     "tree_q_width",
     "draft_sampling",
+    "budget_policy",
 )
+BUDGET_POLICIES = ("adaptive", "fixed")
 
 _SAMPLING_NAMES = {
     "deterministic": DraftSampling.DETERMINISTIC,
@@ -56,6 +62,7 @@ class SpeculativeConfig:
     budget: TreeBudget  # the default and largest tree this drafter proposes
     sampled_mode: DraftSampling  # children at T > 0; T = 0 is always DETERMINISTIC top-k
     options: Any  # the method's own Options dataclass instance
+    budget_policy: str = "adaptive"  # the target's: one of BUDGET_POLICIES
 
     @classmethod
     def from_dict(
@@ -94,6 +101,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative config: draft_sampling = {sampling_name!r}; use one of {sorted(_SAMPLING_NAMES)}"
             )
+        budget_policy = config.get("budget_policy", "adaptive")
+        if budget_policy not in BUDGET_POLICIES:
+            raise ValueError(
+                f"speculative config: budget_policy = {budget_policy!r}; use one of {BUDGET_POLICIES}"
+            )
         options = options_type(**{k: v for k, v in config.items() if k in option_keys})
         return cls(
             method=method,
@@ -101,4 +113,5 @@ class SpeculativeConfig:
             budget=TreeBudget(max_nodes=max_nodes, max_depth=depth, top_k=top_k, q_width=max(q_width, top_k)),
             sampled_mode=_SAMPLING_NAMES[sampling_name],
             options=options,
+            budget_policy=budget_policy,
         )

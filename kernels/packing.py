@@ -43,6 +43,8 @@ class PackedTrees:
 def pack_trees(trees: list[CandidateTree], device: torch.device | str = "cpu") -> PackedTrees:
     """Flatten validated `proto` candidate trees (same order as `trees`) into one batch."""
     sizes = [int(t.tokens.numel()) for t in trees]
+    if max(sizes) == 1:  # root-only everywhere (plain decoding): no q, nothing to index
+        return _pack_roots(trees, device)
     cu = torch.zeros(len(trees) + 1, dtype=torch.int64)
     cu[1:] = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
     q_top_k = max([int(t.q_token_ids.shape[1]) for t in trees if t.q_token_ids.numel()] + [1])
@@ -68,4 +70,18 @@ def pack_trees(trees: list[CandidateTree], device: torch.device | str = "cpu") -
         q_probs=torch.cat(q_probs) if q_probs else empty_ids.to(torch.float32),
         max_num_nodes=max(sizes),
     )
-    return packed.to(device)
+    return packed.to(device) if torch.device(device).type != "cpu" else packed
+
+
+def _pack_roots(trees: list[CandidateTree], device: torch.device | str) -> PackedTrees:
+    batch = len(trees)
+    return PackedTrees(
+        token_ids=torch.cat([t.tokens for t in trees]).to(device=device, dtype=torch.int64),
+        parents=torch.full((batch,), -1, dtype=torch.int64, device=device),
+        cu_num_draft_tokens=torch.arange(batch + 1, dtype=torch.int64, device=device),
+        sampling=torch.tensor([int(t.sampling) for t in trees], dtype=torch.int64, device=device),
+        q_index=torch.full((batch,), -1, dtype=torch.int64, device=device),
+        q_token_ids=torch.empty(0, 1, dtype=torch.int64, device=device),
+        q_probs=torch.empty(0, 1, dtype=torch.float32, device=device),
+        max_num_nodes=1,
+    )

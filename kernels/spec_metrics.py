@@ -32,6 +32,8 @@ class SpecDecodeCounters:
 
     def observe(self, cu_num_draft_tokens: torch.Tensor, output: VerifyOutput) -> None:
         """Adds one verify step's counts (cu_num_draft_tokens [batch + 1], as verified)."""
+        if output.accepted_node_ids.shape[1] == 0:  # root-only trees everywhere: no drafts
+            return
         num_draft = (cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1] - 1).cpu()
         accepted = output.num_accepted.cpu()[num_draft > 0]
         self.num_drafts += int((num_draft > 0).sum())

@@ -93,6 +93,8 @@ def verify(
             torch.zeros(trees.token_ids.numel(), device=target_probs.device),
             torch.ones(trees.batch_size, 1, device=target_probs.device),
         )
+    if trees.max_num_nodes == 1:  # no draft anywhere (plain decoding): nothing to walk
+        return verify_roots(target_probs, is_greedy, randoms)
     if use_triton(backend, target_probs.device):
         from outrider.kernels.verification_triton import verify_triton
 
@@ -175,6 +177,20 @@ def verify_reference(
     drawn = (source / randoms.exponentials).argmax(-1)
     final = torch.where(is_greedy, target_argmax[starts + node], drawn)
     return assemble_verify_output(tokens, accepted, num_accepted, final)
+
+
+def verify_roots(target_probs: torch.Tensor, is_greedy: torch.Tensor, randoms: VerifyRandoms) -> VerifyOutput:
+    """Root-only trees (one node each): every output is the bonus token, drawn from p by the
+    same exponential race as `verify_reference` (argmax for greedy rows), in three ops."""
+    final = target_probs.argmax(-1)
+    if not bool(is_greedy.all()):
+        final = torch.where(is_greedy, final, (target_probs / randoms.exponentials).argmax(-1))
+    batch = final.shape[0]
+    return VerifyOutput(
+        torch.empty(batch, 0, dtype=torch.int64, device=final.device),
+        final[:, None],
+        torch.ones(batch, dtype=torch.int64, device=final.device),
+    )
 
 
 def verify_greedy_host(trees: PackedTrees, target_probs: torch.Tensor) -> VerifyOutput:

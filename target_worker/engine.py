@@ -63,9 +63,10 @@ from outrider.target_worker.draft_trust import PROCESS_SEED_KEY, DraftTrust, der
 from outrider.target_worker.drafter_features import capture_for, gather_features, keep_features, verified_rows
 from outrider.target_worker.kv_cache import CacheFullError
 from outrider.target_worker.lanes import LaneTuner
-from outrider.target_worker.round_plan import RoundPlan, plan_round, root_only_tree
+from outrider.target_worker.round_plan import RoundPlan, plan_round, root_only_tree, tree_depth
 from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import RequestOutput, RequestParams, Sequence
+from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +110,17 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
         lanes: int | None = None,
         seed_key: bytes = PROCESS_SEED_KEY,
+        budget_policy: str = "fixed",
     ):
         """`draft_source` None = speculation off. `detokenize` is needed for stop strings.
 
         `seed_key`: the secret from which a seeded request's verification randomness and its
         drafter's seed are derived apart (`draft_trust.derive_seed`): a drafter that knows the
         request's seed still cannot predict the verifier's uniforms.
+
+        `budget_policy`: "adaptive" lets `spec_policy.SpeculationPolicy` choose each sequence's
+        draft depth every round (0: no draft); "fixed" drafts `tree_budget` every round (vLLM's
+        fixed K). The served default is adaptive (`speculative_config.budget_policy`).
 
         `lanes`: 2 alternates halves of the batch so remote drafting overlaps verification
         (module docstring); None = for a source that `overlaps_drafting`, 1 or 2 by measured
@@ -143,6 +149,10 @@ class Engine:
         self.stats = EngineStats()
         self._next_id = 0
         self.seed_key = seed_key
+        if budget_policy not in ("adaptive", "fixed"):
+            raise ValueError(f"budget_policy must be 'adaptive' or 'fixed', got {budget_policy!r}")
+        adaptive = PolicyConfig(adaptive=budget_policy == "adaptive")
+        self.policy = SpeculationPolicy(tree_budget, adaptive) if draft_source else None
         # Whose q the verifier may use: the source's own declaration, made by the operator.
         self.trust = DraftTrust(draft_source.trusts_q, draft_source.label) if draft_source else None
 
@@ -180,6 +190,8 @@ class Engine:
             if seq.seq_id == request_id and not seq.finished:
                 seq.finish_reason = "abort"
                 self._release([seq])
+                if self.policy is not None:
+                    self.policy.forget(seq.seq_id)
                 if self.drafts is not None and seq.num_sent:
                     self.drafts.submit([self._delta(seq, _FINISHED_BUDGET, None, finished=True)])
 
@@ -200,8 +212,11 @@ class Engine:
             self.lanes = self.lane_tuner.mode
         decoding = [s for s in self.running if s.decoding]
         ready = self._lane_to_verify(decoding)
-        # 1. Draft: trees for the decoding sequences; missing or bad ones become root-only.
-        trees = self.drafts.collect([s.seq_id for s in ready], self.draft_timeout_s) if self.drafts else {}
+        # 1. Draft: trees for the sequences the policy asked to draft; the others, and missing
+        #    or bad trees, become root-only.
+        asked = [s.seq_id for s in ready if s.asked]
+        trees = self.drafts.collect(asked, self.draft_timeout_s) if asked else {}
+        collected = time.perf_counter()
         trees = self._checked_trees(ready, trees)
         plan = plan_round(
             list(zip(ready, trees, strict=True)),
@@ -226,11 +241,12 @@ class Engine:
             self.cache.commit_paths(res.accepted_node_ids, plan.root_rows)
             self.stats.spec.observe(plan.trees.cu_num_draft_tokens, res)
             outputs = self._append_outputs(plan, res, features)
+            self._observe(ready, trees, res, plan, collected - started, time.perf_counter() - collected)
         self._fill_prompts(plan, features)
-        # 5. Deltas for the next round's trees, and `finished` for the sequences that ended.
+        # 5. Deltas (under the policy's budgets) for the next round's trees, and `finished`.
         finished = [s for s in self.running if s.finished]
         self._release(finished)
-        self._submit_deltas(finished)
+        self._submit_deltas(plan.verified, finished)
         if self.lane_tuner is not None and len(decoding) > 1 and not plan.num_prefill_tokens:
             self.lane_tuner.record(sum(len(o.new_token_ids) for o in outputs), time.perf_counter() - started)
         return outputs
@@ -314,6 +330,9 @@ class Engine:
     ) -> list[CandidateTree]:
         """The tree each sequence verifies: the drafter's if it is sound, else root-only."""
         pairs = [(s, received[s.seq_id]) for s in ready if s.seq_id in received]
+        num_asked = sum(s.asked for s in ready)
+        for seq in ready:
+            seq.asked = False  # answered (or not) this round
         if (
             self.drafts is not None and self.drafts.validates_trees
         ):  # the gRPC client checked them on arrival, off this thread
@@ -333,24 +352,57 @@ class Engine:
                 self.stats.num_invalid_trees += 1
                 log.debug("dropped the tree of sequence %d: %s", seq.seq_id, error)
         self.stats.num_trees += len(good)
-        if self.drafts is not None:
-            self.stats.num_missing_trees += len(ready) - len(pairs)
+        self.stats.num_missing_trees += num_asked - len(pairs)
         trees = [good[s.seq_id] if s.seq_id in good else root_only_tree(s, self.round) for s in ready]
         return self.trust.prepare(trees) if self.trust is not None else trees
 
-    def _submit_deltas(self, finished: list[Sequence]) -> None:
+    def _submit_deltas(self, verified: list[Sequence], finished: list[Sequence]) -> None:
+        """Budgets for the sequences verified this step; those given depth > 0 are sent their
+        delta. The others are held: the drafter does nothing for them, and gets their tokens
+        (one longer delta) when the policy next asks them to draft."""
         if self.drafts is None:
             return
+        going = [s for s in verified if s.decoding and not s.finished]
+        limits = [s.tree_budget(self.tree_budget) for s in going]
+        budgets = self.policy.budgets([s.seq_id for s in going], limits, self._next_prefill_tokens())
         updates = []
-        for seq in self.running:
-            if not seq.decoding or seq.num_sent == len(seq.tokens):
-                continue  # still prefilling, or in the lane that waited this step
-            seq.budget, seq.tree_round = seq.tree_budget(self.tree_budget), self.round + 1
-            features = torch.cat(seq.unsent_features) if self.capture else None
-            updates.append(self._delta(seq, seq.budget, features, finished=False))
+        for seq, budget in zip(going, budgets, strict=True):
+            seq.budget, seq.asked = budget, budget.max_depth > 0
+            if seq.asked:
+                seq.tree_round = self.round + 1
+                features = torch.cat(seq.unsent_features) if self.capture else None
+                updates.append(self._delta(seq, budget, features, finished=False))
+        for seq in finished:
+            self.policy.forget(seq.seq_id)
         updates += [self._delta(s, _FINISHED_BUDGET, None, finished=True) for s in finished if s.num_sent]
         if updates:
             self.drafts.submit(updates)
+
+    def _next_prefill_tokens(self) -> int:
+        """Prompt tokens the next forward will likely carry beside the trees."""
+        left = sum(s.num_prompt - s.num_cached for s in self.running if not s.decoding)
+        return min(left, self.max_prefill_tokens)
+
+    def _observe(
+        self,
+        ready: list[Sequence],
+        trees: list[CandidateTree],
+        res: VerifyOutput,
+        plan: RoundPlan,
+        draft_wait_s: float,
+        round_s: float,
+    ) -> None:
+        """What this round's drafts earned and cost, for the policy."""
+        if self.policy is None:
+            return
+        accepted, output = res.num_accepted.tolist(), res.num_output_tokens.tolist()
+        outcomes = [
+            (seq.seq_id, tree_depth(tree), accepted[b], output[b])
+            for b, (seq, tree) in enumerate(zip(ready, trees, strict=True))
+        ]
+        deepest = max((s.budget.max_depth for s in ready if s.budget is not None), default=0)
+        tokens = int(plan.trees.cu_num_draft_tokens[-1]) + plan.num_prefill_tokens
+        self.policy.observe(outcomes, tokens, round_s, deepest, draft_wait_s)
 
     def _delta(
         self, seq: Sequence, budget: TreeBudget, features: torch.Tensor | None, finished: bool

@@ -57,6 +57,15 @@ def root_only_tree(seq: Sequence, round: int) -> CandidateTree:
     )
 
 
+def tree_depth(tree: CandidateTree) -> int:
+    """Draft tokens on the tree's longest root-to-leaf path (0 for a root-only tree)."""
+    parents = tree.parents.tolist()
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return max(depth)
+
+
 def plan_round(
     decoding: list[tuple[Sequence, CandidateTree]],  # decoding sequences and this round's trees
     prefilling: list[Sequence],  # the others (no output token yet), in admission order

@@ -88,6 +88,7 @@ class Sequence:
     unsent_features: list[torch.Tensor] = field(default_factory=list)  # [*, width] rows of tokens[num_sent:]
     budget: TreeBudget | None = None  # sent with the last update; the tree for `tree_round` must fit it
     tree_round: int = -1  # the round the drafter was asked to answer; -1 = none asked
+    asked: bool = False  # a tree is awaited for its next verify (the policy gave it depth > 0)
     lane: int = 0  # which half of the batch it is verified with (`Engine` lanes)
     text: str = ""  # detokenized output, kept only when stop strings need it
     finish_reason: str | None = None

@@ -167,6 +167,23 @@ def test_metrics_page_takes_the_cache_hit_rate_from_the_draft_replicas():
     assert 'outrider:draft_trees_pushed_total{model_name="m"} 6' in page
 
 
+def test_metrics_page_shows_the_policys_budgets_and_its_calibration():
+    metrics = Metrics("m")
+    metrics.snapshot(
+        ReplicaSnapshot(
+            replica="a", budget_depths=(3, 0, 2), policy_predicted_tokens=8.5, policy_measured_tokens=9
+        )
+    )
+    metrics.snapshot(ReplicaSnapshot(replica="b", budget_depths=(1,)))
+    page = metrics.render()
+    assert 'outrider:spec_decode_draft_depth_bucket{model_name="m",le="0"} 4' in page
+    assert 'outrider:spec_decode_draft_depth_bucket{model_name="m",le="2"} 6' in page
+    assert 'outrider:spec_decode_draft_depth_count{model_name="m"} 6' in page
+    assert 'outrider:spec_decode_draft_depth_sum{model_name="m"} 4' in page
+    assert 'outrider:spec_policy_predicted_tokens_total{model_name="m"} 8.5' in page
+    assert 'outrider:spec_policy_measured_tokens_total{model_name="m"} 9' in page
+
+
 def test_metrics_page_says_how_each_replica_verifies_its_drafts():
     metrics = Metrics("m")
     metrics.snapshot(ReplicaSnapshot(replica="a", draft_verification="deterministic", trees_demoted=7))

@@ -7,6 +7,7 @@ reproducible; and sampled tokens follow the target's distribution (a TV test, be
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from outrider.target_worker.draft_trust import VerificationMode
 from outrider.target_worker.engine import Engine
 from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import RequestParams
+from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy
 
 PROMPT_TOKENS, NEW_TOKENS = 48, 40  # the tiny family's context is 128
 
@@ -58,8 +60,38 @@ def engine(family_dir, spec: dict | None, max_batch: int = 8, rows: int = 2048, 
     return Engine(runner, source, eos_token_id=None, max_batch=max_batch, max_prefill_tokens=rows)
 
 
+class ShuffledBudgets(SpeculationPolicy):
+    """Every sequence gets a random depth in [0, its ceiling] every round: the budgets change
+    under the drafter and the verifier all the time, which must never change the output."""
+
+    def __init__(self, ceiling, seed: int = 0):
+        super().__init__(ceiling)
+        self.rng = random.Random(seed)
+
+    def _depths(self, seq_ids, limits, prefill_tokens):
+        return [self.rng.randint(0, max(0, min(self.ceiling.max_depth, limit))) for limit in limits]
+
+
 def generate(eng: Engine, prompts, params) -> list[list[int]]:
     return [c.token_ids for c in eng.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model-tree"])
+@pytest.mark.parametrize("policy", ["adaptive", "shuffled"])
+def test_greedy_output_is_unchanged_by_budget_policies(family, method, policy):
+    fam, prompts = family
+    params = RequestParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    plain = generate(engine(fam, None), prompts, params)
+    spec_engine = engine(fam, methods(fam.draft_dir)[method])
+    if policy == "adaptive":
+        spec_engine.policy = SpeculationPolicy(spec_engine.tree_budget, PolicyConfig(warmup_cycles=1))
+    else:
+        spec_engine.policy = ShuffledBudgets(spec_engine.tree_budget)
+    assert generate(spec_engine, prompts, params) == plain
+    depths = spec_engine.policy.stats.depth_counts
+    assert spec_engine.stats.num_invalid_trees == 0 and sum(depths) > 0
+    if policy == "shuffled":
+        assert depths[0] > 0 and sum(depths[1:]) > 0 and spec_engine.stats.spec.num_drafts > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model-chain", "draft_model-tree"])
@@ -102,9 +134,15 @@ def next_token_probs(model_dir, sequences: list[list[int]], start: int, count: i
 
 
 @pytest.mark.parametrize(
-    "method,trusted", [("draft_model-chain", True), ("draft_model-tree", True), ("draft_model-tree", False)]
+    "method,trusted,shuffled",
+    [
+        ("draft_model-chain", True, False),
+        ("draft_model-tree", True, False),
+        ("draft_model-tree", False, False),
+        ("draft_model-tree", True, True),
+    ],
 )
-def test_first_sampled_tokens_follow_the_target(family, method, trusted):
+def test_first_sampled_tokens_follow_the_target(family, method, trusted, shuffled):
     """N sequences sample K tokens each from one prompt, in one batch, and every token is
     checked against the target's distribution given the prefix actually drawn.
 
@@ -119,6 +157,7 @@ def test_first_sampled_tokens_follow_the_target(family, method, trusted):
 
     `trusted`: the drafter's q is used (and audited: an honest drafter keeps its trust), or
     its trees are verified as deterministic proposals (`target_worker.draft_trust`).
+    `shuffled`: every sequence's draft depth is redrawn every round (`ShuffledBudgets`).
     """
     fam, prompts = family
     n, k, temperature, delta = 600, 4, 1.0, 1e-3
@@ -128,6 +167,8 @@ def test_first_sampled_tokens_follow_the_target(family, method, trusted):
         fam, methods(fam.draft_dir)[method], max_batch=n, rows=n * 48, max_model_len=40, kv_cache_rows=n * 48
     )
     eng.trust.trusted = trusted
+    if shuffled:
+        eng.policy = ShuffledBudgets(eng.tree_budget, seed=3)
     out = torch.tensor(generate(eng, [prompt] * n, params))  # [N, K]
     assert eng.stats.spec.num_drafts > 0
     if trusted:
