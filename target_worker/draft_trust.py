@@ -152,7 +152,7 @@ class DraftTrust:
 
     def audit(self, trees: PackedTrees, target_probs: torch.Tensor, is_greedy: torch.Tensor) -> None:
         """One round's evidence; revokes trust when the e-process reaches 1 / alpha."""
-        if not self.uses_q:
+        if not self.uses_q or trees.max_num_nodes == 1:  # nothing drafted: nothing to audit
             return
         audited = ~is_greedy & (trees.sampling != int(DraftSampling.DETERMINISTIC))
         if not bool(audited.any()):

@@ -396,11 +396,12 @@ class Engine:
         if self.policy is None:
             return
         accepted, output = res.num_accepted.tolist(), res.num_output_tokens.tolist()
+        budgets = [s.budget.max_depth if s.budget is not None else 0 for s in ready]
         outcomes = [
-            (seq.seq_id, tree_depth(tree), accepted[b], output[b])
+            (seq.seq_id, budgets[b], tree_depth(tree), accepted[b], output[b])
             for b, (seq, tree) in enumerate(zip(ready, trees, strict=True))
         ]
-        deepest = max((s.budget.max_depth for s in ready if s.budget is not None), default=0)
+        deepest = max(budgets, default=0)
         tokens = int(plan.trees.cu_num_draft_tokens[-1]) + plan.num_prefill_tokens
         self.policy.observe(outcomes, tokens, round_s, deepest, draft_wait_s)
 

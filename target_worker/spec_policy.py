@@ -6,15 +6,16 @@ for each decoding sequence's TreeBudget (depth k; k = 0 verifies the root only),
 batch's expected committed tokens per second is highest:
 
     tokens(k_s)  = 1 + sum_{i=1..k_s} prod_{d=1..i} alpha_s,d     survival along the draft
-    seconds      = verify(N) + draft(max_s k_s)                    N = sum_s nodes(k_s) + prefill
+    seconds      = verify(N, D) + draft(max_s k_s)                 N = sum_s nodes(k_s) + prefill
     maximise       sum_s tokens(k_s) / seconds
 
 - alpha_s,d: the chance a draft reaching depth d - 1 also keeps depth d, per sequence,
   from decayed counts shrunk toward the batch-wide estimate while the sequence is new;
-- verify(N) = a + b N: the target forward's seconds against the tokens it carries (prefill
-  chunks included), fitted online; draft(m) = c + e m: the time the engine waits in
-  `collect` when the deepest budget is m (in-process drafting runs there; a remote drafter
-  costs only what the engine waits for), fitted online;
+- verify(N, D) = a + b N + s D: a round's seconds outside `collect` against the tokens its
+  forward carries (prefill chunks included) and the D sequences that drafted (their trees'
+  packing, walk and bookkeeping), fitted online; draft(m) = c + e m: the time the engine
+  waits in `collect` when the deepest budget is m (in-process drafting runs there; a remote
+  drafter costs only what the engine waits for), 0 when no sequence drafts (no collect);
 - the maximum is found by Dinkelbach's iteration for each deepest budget m: for a ratio
   lambda, each sequence independently takes the k <= m maximising tokens(k) - lambda b
   nodes(k); lambda <- the resulting ratio, until it settles;
@@ -46,30 +47,41 @@ class PolicyConfig:
     sequence_decay: float = 0.9  # per-observation decay of a sequence's counts (recent text matters)
     global_decay: float = 0.995
     cost_decay: float = 0.98  # per-round decay of the cost fits' sums (conditions drift)
+    resolve_every: int = 8  # rounds between full solves of the deepest budget and the ratio
     warmup_cycles: int = 2  # rounds 0 .. (ceiling + 1) * cycles - 1 cycle the depth 0 .. ceiling
 
 
-class _Line:
-    """y = a + b x by decayed least squares; a, b >= 0."""
+class _Fit:
+    """y = w . (1, x_1, .., x_n) by decayed least squares, every w >= 0.
 
-    def __init__(self, decay: float):
+    `add` only accumulates (plain floats: it runs every round); `solve` (every few rounds)
+    refits. A coefficient the data cannot tell apart (its feature has not varied lately)
+    keeps its last estimate: a small ridge pulls it toward that, not toward 0.
+    """
+
+    def __init__(self, num_features: int, decay: float):
+        size = num_features + 1
         self.decay = decay
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self.slope = 0.0  # the last slope the data could tell: kept while x stops varying
+        self.xtx = [[0.0] * size for _ in range(size)]
+        self.xty = [0.0] * size
+        self.w = np.zeros(size)
 
-    def add(self, x: float, y: float) -> None:
-        d = self.decay
-        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
-        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+    def add(self, features: Seq[float], y: float) -> None:
+        x, d = (1.0, *features), self.decay
+        for i, xi in enumerate(x):
+            row = self.xtx[i]
+            for j, xj in enumerate(x):
+                row[j] = d * row[j] + xi * xj
+            self.xty[i] = d * self.xty[i] + xi * y
 
-    def coefficients(self) -> tuple[float, float]:
-        if self.n == 0:
-            return 0.0, 0.0
-        mean_x, mean_y = self.sx / self.n, self.sy / self.n
-        var = self.sxx / self.n - mean_x * mean_x
-        if var > 1e-3 * (1 + mean_x**2):
-            self.slope = max((self.sxy / self.n - mean_x * mean_y) / var, 0.0)
-        return max(mean_y - self.slope * mean_x, 0.0), self.slope
+    def solve(self) -> tuple[float, ...]:
+        xtx, xty = np.array(self.xtx), np.array(self.xty)
+        ridge = 1e-6 * (np.trace(xtx) + 1.0) * np.eye(len(xty))
+        self.w = np.maximum(np.linalg.solve(xtx + ridge, xty + ridge @ self.w), 0.0)
+        return self.coefficients()
+
+    def coefficients(self) -> tuple[float, ...]:
+        return tuple(float(v) for v in self.w)
 
 
 @dataclass
@@ -107,10 +119,13 @@ class SpeculationPolicy:
         depth = max(ceiling.max_depth, 1)
         self.glob = _Acceptance.empty(depth)
         self.seqs: dict[int, _Acceptance] = {}
-        self.verify_cost = _Line(self.config.cost_decay)  # seconds vs tokens in the forward
-        self.draft_cost = _Line(self.config.cost_decay)  # seconds waited in collect vs deepest budget
+        # Round seconds (collect aside) = a + b * tokens in the forward + s * sequences with a draft
+        # (their trees' packing, walk and bookkeeping); collect seconds = c + e * deepest budget.
+        self.verify_cost = _Fit(2, self.config.cost_decay)
+        self.draft_cost = _Fit(1, self.config.cost_decay)
         self.deepest_seen = 0  # the drafter may draft less than the ceiling: never plan past it + 1
         self.rounds = 0
+        self._solved: tuple[int, float, int] | None = None  # (deepest budget, ratio, at round)
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
         self._predicted: dict[int, float] = {}
         width = (ceiling.max_nodes - 1) / depth if ceiling.max_depth else 0.0
@@ -120,44 +135,63 @@ class SpeculationPolicy:
 
     def budgets(self, seq_ids: Seq[int], limits: Seq[TreeBudget], prefill_tokens: int) -> list[TreeBudget]:
         """Next round's budget per sequence; `limits` are each one's own ceiling (rows, max_tokens)."""
-        depths = self._depths(seq_ids, [limit.max_depth for limit in limits], prefill_tokens)
+        if not seq_ids:
+            return []
+        ceiling = [max(0, min(self.ceiling.max_depth, limit.max_depth)) for limit in limits]
+        if self._all_off():  # the common case where speculation does not pay: no estimates needed
+            depths = self._probed(seq_ids, [0] * len(seq_ids), ceiling)
+            predicted = [
+                1.0 if k == 0 else float(self._gain([s])[0, k]) for s, k in zip(seq_ids, depths, strict=True)
+            ]
+        else:
+            gain = self._gain(seq_ids)
+            depths = self._probed(seq_ids, self._depths(gain, ceiling, prefill_tokens), ceiling)
+            predicted = gain[np.arange(len(seq_ids)), depths].tolist()
         out = []
-        for seq_id, limit, k in zip(seq_ids, limits, depths, strict=True):
+        for seq_id, limit, k, tokens in zip(seq_ids, limits, depths, predicted, strict=True):
             self.stats.depth_counts[k] += 1
-            self._predicted[seq_id] = float(self._tokens(seq_id)[k])
+            self._predicted[seq_id] = tokens
             if k == 0:
                 out.append(NO_DRAFT)
             else:
                 nodes = min(limit.max_nodes, int(round(self._nodes[k])))
                 out.append(TreeBudget(max_nodes=nodes, max_depth=k, top_k=limit.top_k, q_width=limit.q_width))
-        if out and not any(b.max_depth for b in out):
+        if not any(depths):
             self.stats.rounds_off += 1
         return out
 
     def observe(
         self,
-        outcomes: Seq[tuple[int, int, int, int]],  # (seq_id, tree depth, accepted, tokens committed)
+        outcomes: Seq[
+            tuple[int, int, int, int, int]
+        ],  # (seq_id, budget depth, tree depth, accepted, committed)
         forward_tokens: int,
-        forward_s: float,
+        round_s: float,
         deepest_budget: int,
         draft_wait_s: float,
     ) -> None:
         """One round's evidence: each verified sequence's draft outcome, and what it cost."""
         self.rounds += 1
         config = self.config
-        for seq_id, tree_depth, accepted, committed in outcomes:
+        drafted = 0
+        for seq_id, budget_depth, tree_depth, accepted, committed in outcomes:
             predicted = self._predicted.pop(seq_id, None)
             if predicted is not None:
                 self.stats.predicted_tokens += predicted
                 self.stats.measured_tokens += committed
-            if tree_depth == 0:
+            if budget_depth == 0:
                 continue
+            drafted += 1
+            # Asked for a draft and given none (nothing matched): for the policy, as good as a
+            # first draft token lost.
+            tree_depth = max(tree_depth, 1)
             self.deepest_seen = max(self.deepest_seen, tree_depth)
             own = self.seqs.setdefault(seq_id, _Acceptance.empty(len(self.glob.tries)))
             own.add(tree_depth, accepted, config.sequence_decay)
             self.glob.add(tree_depth, accepted, config.global_decay)
-        self.verify_cost.add(forward_tokens, forward_s)
-        self.draft_cost.add(deepest_budget, draft_wait_s)
+        self.verify_cost.add((forward_tokens, drafted), round_s)
+        if deepest_budget > 0:  # with no budget anywhere the engine does not collect at all
+            self.draft_cost.add((deepest_budget,), draft_wait_s)
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
@@ -165,45 +199,77 @@ class SpeculationPolicy:
 
     # ---- the choice ----------------------------------------------------------------------
 
-    def _tokens(self, seq_id: int) -> np.ndarray:
-        """Expected committed tokens for each depth 0 .. ceiling: 1 + sum of survival products."""
+    def _gain(self, seq_ids: Seq[int]) -> np.ndarray:
+        """[B, K + 1]: expected committed tokens per depth 0 .. ceiling, 1 + survival products.
+
+        A sequence's rate is its decayed counts plus `prior_strength` pseudo-observations of
+        the batch-wide rate (a new sequence has the batch's); depths past the deepest tree
+        ever drafted (+1, to find out) earn nothing."""
         g, prior = self.glob, self.config.prior_strength
         global_rate = (g.kept + 0.5) / (g.tries + 1.0)  # a weak optimistic start: 0.5
-        own = self.seqs.get(seq_id)
-        rate = global_rate if own is None else (own.kept + prior * global_rate) / (own.tries + prior)
-        reach = max(self.deepest_seen + 1, 1)
-        rate = np.where(np.arange(len(rate)) < reach, rate, 0.0)  # never counted past what was drafted
-        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(rate))])
+        zero = np.zeros_like(global_rate)
+        own = [self.seqs.get(s) for s in seq_ids]
+        tries = np.stack([o.tries if o is not None else zero for o in own])
+        kept = np.stack([o.kept if o is not None else zero for o in own])
+        rate = (kept + prior * global_rate) / (tries + prior)
+        rate[:, max(self.deepest_seen + 1, 1) :] = 0.0
+        survival = np.cumsum(np.cumprod(rate, axis=1), axis=1)
+        return np.concatenate([np.ones((len(seq_ids), 1)), 1.0 + survival], axis=1)
 
-    def _depths(self, seq_ids: Seq[int], limits: Seq[int], prefill_tokens: int) -> list[int]:
-        ceiling = [max(0, min(self.ceiling.max_depth, limit)) for limit in limits]
-        if not self.config.adaptive or not seq_ids:
+    def _warming_up(self) -> bool:
+        return self.rounds < (self.ceiling.max_depth + 1) * self.config.warmup_cycles
+
+    def _due(self) -> bool:
+        return self._solved is None or self.rounds - self._solved[2] >= self.config.resolve_every
+
+    def _all_off(self) -> bool:
+        """The last solve gave every sequence depth 0, and the next is not due yet."""
+        adaptive = self.config.adaptive and not self._warming_up()
+        return adaptive and not self._due() and self._solved[0] == 0
+
+    def _depths(self, gain: np.ndarray, ceiling: list[int], prefill_tokens: int) -> list[int]:
+        if not self.config.adaptive:
             return ceiling
-        if self.rounds < (self.ceiling.max_depth + 1) * self.config.warmup_cycles:
+        if self._warming_up():
             # Warm-up: every depth in turn, so both cost fits see the spread they need.
             return [min(cap, self.rounds % (self.ceiling.max_depth + 1)) for cap in ceiling]
-        a, b = self.verify_cost.coefficients()
+        due = self._due()
+        if due:
+            self.verify_cost.solve()
+            self.draft_cost.solve()
+        a, b, overhead = self.verify_cost.coefficients()
         c, e = self.draft_cost.coefficients()
-        gain = np.stack([self._tokens(s) for s in seq_ids])  # [B, K + 1]
-        depth_cap = np.array(ceiling)[:, None]  # [B, 1]
         ks = np.arange(gain.shape[1])
-        best, best_rate = np.zeros(len(seq_ids), dtype=np.int64), -1.0
-        for m in range(gain.shape[1]):  # the deepest budget allowed this round
-            allowed = (ks[None, :] <= np.minimum(depth_cap, m)) & (ks[None, :] <= m)
-            draft_s = c + e * m  # at m = 0 too: a drafter catching up still costs its wait
-            lam = 0.0
-            for _ in range(6):  # Dinkelbach: each sequence maximises tokens - lam * b * nodes
-                score = np.where(allowed, gain - lam * b * self._nodes[None, :], -np.inf)
-                choice = score.argmax(1)
-                tokens = gain[np.arange(len(seq_ids)), choice].sum()
-                seconds = a + b * (self._nodes[choice].sum() + prefill_tokens) + draft_s
-                new = tokens / max(seconds, 1e-9)
-                if abs(new - lam) <= 1e-6 * max(new, 1.0):
-                    break
-                lam = new
-            if new > best_rate * (1 + 1e-9):
-                best, best_rate = choice, new
-        return self._probed(seq_ids, best.tolist(), ceiling)
+        per_seq = b * self._nodes + overhead * (ks > 0)  # [K + 1] seconds a sequence adds
+        cap = np.array(ceiling)[:, None]  # [B, 1]
+        rows = np.arange(gain.shape[0])
+
+        def best_at(m: int, lam: float) -> tuple[np.ndarray, float, float]:
+            """Each sequence's best depth <= m for ratio lam, and the batch's (rate, lam')."""
+            score = np.where(ks[None, :] <= np.minimum(cap, m), gain - lam * per_seq[None, :], -np.inf)
+            choice = score.argmax(1)
+            seconds = a + b * prefill_tokens + per_seq[choice].sum() + (c + e * m if m else 0.0)
+            rate = gain[rows, choice].sum() / max(seconds, 1e-9)
+            return choice, rate, rate
+
+        # The deepest budget m and the ratio lam are re-solved every few rounds (Dinkelbach:
+        # lam <- the rate its choice achieves, from the last lam); in between each sequence
+        # only re-picks its depth under them, as its own estimates move.
+        if due:
+            best, best_rate, lam0 = None, -1.0, self._solved[1] if self._solved else 0.0
+            for m in range(gain.shape[1]):
+                lam = lam0
+                for _ in range(4):
+                    choice, rate, lam_next = best_at(m, lam)
+                    if abs(lam_next - lam) <= 1e-4 * max(lam_next, 1.0):
+                        break
+                    lam = lam_next
+                if rate > best_rate * (1 + 1e-9):
+                    best, best_rate, best_m, best_lam = choice, rate, m, lam_next
+            self._solved = (best_m, best_lam, self.rounds)
+            return best.tolist()
+        m, lam, _ = self._solved
+        return best_at(m, lam)[0].tolist()
 
     def _probed(self, seq_ids: Seq[int], depths: list[int], ceiling: list[int]) -> list[int]:
         """Sequences not speculating try depth 1 now and then (staggered by id) to stay measured."""

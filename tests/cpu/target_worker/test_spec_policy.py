@@ -11,14 +11,17 @@ import random
 import pytest
 
 from outrider.proto import TreeBudget
-from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy, _Line
+from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy, _Fit
 
 CEILING = TreeBudget(max_nodes=9, max_depth=8, top_k=1)
 
 
-def simulate(policy, accept: dict[int, float], rounds: int, verify=(1e-3, 5e-5), draft=(2e-4, 1e-4), seed=0):
+def simulate(
+    policy, accept: dict[int, float], rounds: int, verify=(1e-3, 5e-5, 1e-4), draft=(2e-4, 1e-4), seed=0
+):
     """Runs `rounds` rounds of every sequence in `accept` (seq_id -> per-token acceptance);
-    returns the depths the policy chose in the last round."""
+    a round costs verify[0] + verify[1] * tokens + verify[2] * drafting sequences, plus
+    draft[0] + draft[1] * deepest depth when any drafts. Returns the last round's depths."""
     rng = random.Random(seed)
     ids = list(accept)
     depths = [CEILING.max_depth] * len(ids)
@@ -28,12 +31,12 @@ def simulate(policy, accept: dict[int, float], rounds: int, verify=(1e-3, 5e-5),
             kept = 0
             while kept < k and rng.random() < accept[seq_id]:
                 kept += 1
-            outcomes.append((seq_id, k, kept, kept + 1))
+            outcomes.append((seq_id, k, k, kept, kept + 1))
             tokens += k + 1
-        deepest = max(depths)
-        policy.observe(
-            outcomes, tokens, verify[0] + verify[1] * tokens, deepest, draft[0] + draft[1] * deepest
-        )
+        deepest, drafting = max(depths), sum(k > 0 for k in depths)
+        round_s = verify[0] + verify[1] * tokens + verify[2] * drafting
+        draft_s = draft[0] + draft[1] * deepest if deepest else 0.0
+        policy.observe(outcomes, tokens, round_s, deepest, draft_s)
         depths = [b.max_depth for b in policy.budgets(ids, [CEILING] * len(ids), 0)]
     return dict(zip(ids, depths, strict=True))
 
@@ -46,36 +49,36 @@ def test_cheap_drafts_that_are_kept_run_deep():
 def test_costly_drafts_that_are_lost_are_turned_off():
     # Verify cost grows steeply with tokens (a compute-bound CPU) and drafting is expensive.
     policy = SpeculationPolicy(CEILING)
-    chosen = simulate(policy, {0: 0.05, 1: 0.05}, rounds=60, verify=(1e-3, 1e-3), draft=(5e-4, 1e-3))
+    chosen = simulate(policy, {0: 0.05, 1: 0.05}, rounds=60, verify=(1e-3, 1e-3, 1e-4), draft=(5e-4, 1e-3))
     assert set(chosen.values()) <= {0, 1}  # 1 only as a probe
     assert policy.stats.rounds_off > 0
 
 
 def test_each_sequence_gets_its_own_depth():
-    chosen = simulate(SpeculationPolicy(CEILING), {0: 0.95, 1: 0.02}, rounds=80, verify=(1e-3, 4e-4))
+    chosen = simulate(SpeculationPolicy(CEILING), {0: 0.95, 1: 0.02}, rounds=80, verify=(1e-3, 4e-4, 1e-4))
     assert chosen[0] >= 3 and chosen[1] <= 1
 
 
 def test_a_sequence_turned_off_is_probed_now_and_then():
     policy = SpeculationPolicy(CEILING, PolicyConfig(probe_every=4))
-    simulate(policy, {7: 0.0}, rounds=40, verify=(1e-3, 1e-3), draft=(5e-4, 1e-3))
+    simulate(policy, {7: 0.0}, rounds=40, verify=(1e-3, 1e-3, 1e-4), draft=(5e-4, 1e-3))
     seen = [policy.budgets([7], [CEILING], 0)[0].max_depth for _ in range(8)]
     # Each call is the same round (no observe between), so the probe phase is fixed; over rounds:
     probes = []
     for _ in range(8):
-        policy.observe([(7, 0, 0, 1)], 1, 1e-3, 0, 0.0)
+        policy.observe([(7, 0, 0, 0, 1)], 1, 1e-3, 0, 0.0)
         probes.append(policy.budgets([7], [CEILING], 0)[0].max_depth)
     assert set(seen) <= {0, 1} and probes.count(1) == 2 and probes.count(0) == 6
 
 
 def test_fixed_drafts_the_ceiling_and_warmup_cycles_the_depths():
     fixed = SpeculationPolicy(CEILING, PolicyConfig(adaptive=False))
-    assert simulate(fixed, {0: 0.0}, rounds=30, verify=(1e-3, 1e-3), draft=(5e-4, 1e-3)) == {0: 8}
+    assert simulate(fixed, {0: 0.0}, rounds=30, verify=(1e-3, 1e-3, 1e-4), draft=(5e-4, 1e-3)) == {0: 8}
     fresh = SpeculationPolicy(CEILING, PolicyConfig(warmup_cycles=1))
     warmup = []
     for _ in range(9):  # the first rounds cycle 0 .. ceiling (within each sequence's own limit)
         warmup.append([b.max_depth for b in fresh.budgets([1, 2], [CEILING, TreeBudget(3, 2, 1)], 0)])
-        fresh.observe([(1, 0, 0, 1), (2, 0, 0, 1)], 2, 1e-3, 0, 0.0)
+        fresh.observe([(1, 0, 0, 0, 1), (2, 0, 0, 0, 1)], 2, 1e-3, 0, 0.0)
     assert [w[0] for w in warmup] == list(range(9)) and [w[1] for w in warmup] == [0, 1, 2, 2, 2, 2, 2, 2, 2]
 
 
@@ -89,7 +92,7 @@ def test_never_plans_deeper_than_the_drafter_drafts():
         drafted = min(depths[0], 3)
         kept = sum(1 for _ in range(drafted) if rng.random() < 0.95)
         policy.observe(
-            [(0, drafted, kept, kept + 1)], drafted + 1, 1e-3 + 1e-4 * (drafted + 1), depths[0], 1e-4
+            [(0, depths[0], drafted, kept, kept + 1)], drafted + 1, 1e-3 + 1e-4 * drafted, depths[0], 1e-4
         )
         depths = [b.max_depth for b in policy.budgets([0], [CEILING], 0)]
     assert depths[0] <= 4
@@ -105,13 +108,24 @@ def test_predicted_and_measured_tokens_are_kept_for_metrics():
     assert sum(stats.depth_counts) == 50
 
 
-def test_the_cost_line_fit():
-    line = _Line(decay=1.0)
+def test_the_cost_fit():
+    fit = _Fit(2, decay=1.0)
     for x in range(1, 20):
-        line.add(x, 0.5 + 0.25 * x)
-    a, b = line.coefficients()
-    assert a == pytest.approx(0.5) and b == pytest.approx(0.25)
-    flat = _Line(decay=1.0)
-    for _ in range(5):
-        flat.add(4, 2.0)  # one x only: no slope to be had
-    assert flat.coefficients() == (2.0, 0.0)
+        fit.add((x, x % 3), 0.5 + 0.25 * x + 0.125 * (x % 3))
+    assert fit.solve() == pytest.approx((0.5, 0.25, 0.125), rel=1e-3)
+    for _ in range(50):
+        fit.add((4, 1), 0.5 + 0.25 * 4 + 0.125)  # one point, over and over: the slopes stay
+        fit.solve()
+    assert fit.coefficients() == pytest.approx((0.5, 0.25, 0.125), rel=1e-2)
+
+
+def test_a_drafter_that_finds_nothing_is_turned_off():
+    """Asked for drafts, an n-gram drafter that matches nothing answers root-only trees: that
+    earns nothing, so the policy stops asking (but for probes)."""
+    policy = SpeculationPolicy(CEILING)
+    depths = [8]
+    for _ in range(60):
+        cost = 1e-3 + 2e-4 * (depths[0] > 0)
+        policy.observe([(0, depths[0], 0, 0, 1)], 1, cost, depths[0], 3e-4 * bool(depths[0]))
+        depths = [b.max_depth for b in policy.budgets([0], [CEILING], 0)]
+    assert policy.stats.depth_counts[0] > 30 and depths[0] <= 1

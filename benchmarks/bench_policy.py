@@ -1,0 +1,215 @@
+"""The speculation policy against fixed K, and how much of the ideal the engine realises.
+
+    python -m outrider.benchmarks.bench_policy --size tiny             # the committed report
+    python -m outrider.benchmarks.bench_policy --size small --batches 1 --methods ngram,draft_model
+
+For each method, temperature and batch size: plain decoding, fixed K in {1, 2, 4, 8} (every
+sequence drafts K tokens every round: vLLM's behaviour) and the adaptive policy (ceiling 8;
+target_worker/spec_policy.py), run in rotating order, `--repeats` times after one unmeasured
+warm-up; medians; speedups are ratios to plain within the same repeat.
+
+The `replay-a` methods propose the target's own recorded greedy continuation with each token
+replaced with probability 1 - a (benchmarks/replay_drafter.py): at T = 0 a K-chain keeps
+tau(K) = (1 - a^(K+1)) / (1 - a) tokens per round for next to no drafting time, so the ideal
+speedup of fixed K is tau(K) x verify(B) / verify(B (K + 1)), with verify(N) = a + b N seconds
+fitted in the same run (the adaptive engine's own cost line); the report puts it beside the
+realised one, and the adaptive row beside the best fixed K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+FIXED_KS = (1, 2, 4, 8)
+CEILING_DEPTH = 8
+
+
+def specs(method: str, family, recording: Path) -> dict:
+    if method.startswith("replay-"):
+        return {"method": "replay", "acceptance": float(method.split("-")[1]), "recording": str(recording)}
+    if method == "draft_model":
+        return {"method": "draft_model", "model": str(family.draft_dir)}
+    if method == "ngram":
+        return {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    raise ValueError(f"unknown method {method!r}; use ngram, draft_model or replay-<a>")
+
+
+def run_once(runner, prompts, spec, mode: str, temperature: float, max_tokens: int, policies: dict) -> dict:
+    """One batch of seeded requests in `mode`. The adaptive policy in `policies[mode]` carries
+    over from run to run, as in a long-running server (a fresh one spends its first rounds
+    measuring every depth)."""
+    from outrider.draft_worker import build_proposer
+    from outrider.proto import TreeBudget
+    from outrider.target_worker.draft_source import InProcessDraftSource
+    from outrider.target_worker.engine import Engine
+    from outrider.target_worker.sequence import RequestParams
+
+    source, depth = None, CEILING_DEPTH if mode == "adaptive" else (int(mode[1:]) if mode != "plain" else 0)
+    if mode != "plain":
+        config = {**spec, "num_speculative_tokens": depth}
+        source = InProcessDraftSource(build_proposer(config, vocab_size=runner.model.vocab_size))
+    engine = Engine(
+        runner,
+        source,
+        eos_token_id=None,
+        max_batch=len(prompts),
+        tree_budget=TreeBudget(max_nodes=depth + 1, max_depth=max(depth, 1), top_k=1),
+        budget_policy="adaptive" if mode == "adaptive" else "fixed",
+    )
+    if engine.policy is not None:
+        engine.policy = policies.setdefault(mode, engine.policy)
+    params = [
+        RequestParams(temperature=temperature, seed=i, max_tokens=max_tokens, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    before = list(engine.policy.stats.depth_counts) if engine.policy is not None else None
+    started = time.perf_counter()
+    completions = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - started
+    spec_stats, policy = engine.stats.spec, engine.policy
+    drafts = max(spec_stats.num_drafts, 1)
+    row = {
+        "tokens_per_s": sum(len(c.token_ids) for c in completions) / elapsed,
+        "acceptance_length": 1 + spec_stats.num_accepted_tokens / drafts if source else None,
+        "per_position": [round(n / drafts, 3) for n in spec_stats.num_accepted_tokens_per_pos],
+    }
+    if policy is not None:
+        counts = [n - m for n, m in zip(policy.stats.depth_counts, before, strict=True)]
+        row["mean_depth"] = sum(d * n for d, n in enumerate(counts)) / max(sum(counts), 1)
+        row["verify_line"] = policy.verify_cost.solve()
+    return row
+
+
+def record(runner, prompts, max_tokens: int, path: Path) -> None:
+    """The target's greedy continuations (prompt + output), for the replay drafter."""
+    from outrider.target_worker.engine import Engine
+    from outrider.target_worker.sequence import RequestParams
+
+    engine = Engine(runner, None, eos_token_id=None, max_batch=len(prompts))
+    outputs = engine.generate(prompts, RequestParams(max_tokens=max_tokens + 16, ignore_eos=True))
+    path.write_text(json.dumps([p + c.token_ids for p, c in zip(prompts, outputs, strict=True)]))
+
+
+def ideal_speedup(acceptance: float, k: int, batch: int, line: tuple[float, float, float]) -> float:
+    """tau(K) over what verifying K + 1 tokens per sequence costs against 1, from the fitted
+    round cost a + b * tokens (the per-drafting-sequence overhead is the engine's, not ideal)."""
+    tau = sum(acceptance**i for i in range(k + 1))
+    a, b, _ = line
+    return tau * (a + b * batch) / (a + b * batch * (k + 1))
+
+
+def measure(runner, prompts, method, spec, temperature, args) -> list[dict]:
+    modes = ["plain", *(f"K{k}" for k in FIXED_KS), "adaptive"]
+    samples: dict[str, list[dict]] = {m: [] for m in modes}
+    policies: dict = {}
+    for mode in modes:  # warm-up, unmeasured
+        run_once(runner, prompts, spec, mode, temperature, args.max_tokens, policies)
+    for repeat in range(args.repeats):
+        shift = repeat % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            samples[mode].append(
+                run_once(runner, prompts, spec, mode, temperature, args.max_tokens, policies)
+            )
+    plain = [s["tokens_per_s"] for s in samples["plain"]]
+    line = samples["adaptive"][0]["verify_line"]
+    rows = []
+    for mode in modes:
+        runs = samples[mode]
+        row = {
+            "method": method if mode != "plain" else "plain",
+            "temperature": temperature,
+            "batch": len(prompts),
+            "mode": mode,
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+            "speedup_vs_plain": statistics.median(
+                r["tokens_per_s"] / p for r, p in zip(runs, plain, strict=True)
+            ),
+            "acceptance_length": statistics.median(r["acceptance_length"] for r in runs)
+            if mode != "plain"
+            else None,
+            "per_position_acceptance": runs[0]["per_position"] if mode != "plain" else None,
+            "mean_depth": statistics.median(r["mean_depth"] for r in runs) if mode == "adaptive" else None,
+        }
+        if method.startswith("replay-") and temperature == 0 and mode != "plain":
+            acceptance = float(method.split("-")[1])
+            ks = FIXED_KS if mode == "adaptive" else (int(mode[1:]),)
+            row["ideal_speedup"] = max(ideal_speedup(acceptance, k, len(prompts), line) for k in ks)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="tiny", help="demo family (default: %(default)s)")
+    parser.add_argument("--methods", default="ngram,draft_model,replay-0.3,replay-0.5,replay-0.7,replay-0.9")
+    parser.add_argument("--temperatures", default="0,1", type=lambda s: [float(t) for t in s.split(",")])
+    parser.add_argument("--batches", default="1,16", type=lambda s: [int(b) for b in s.split(",")])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--results-dir", type=Path, default=None, help="default: benchmarks/results")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    from transformers import AutoTokenizer
+
+    import outrider.benchmarks.replay_drafter  # noqa: F401 - registers `replay`
+    from outrider.benchmarks.prompts import load_prompts
+    from outrider.benchmarks.report import write_report
+    from outrider.demo.family import ensure_demo_family
+    from outrider.target_worker.runner import ModelRunner
+
+    family = ensure_demo_family(args.size)
+    tokenizer = AutoTokenizer.from_pretrained(family.tokenizer_dir)
+    most = max(args.batches)
+    prompts = [
+        p.token_ids for p in load_prompts("mid", tokenizer, count=most, prompt_tokens=args.prompt_tokens)
+    ]
+    context = args.prompt_tokens + args.max_tokens + 2 * CEILING_DEPTH + 16
+    runner = ModelRunner.from_pretrained(
+        family.target_dir, max_model_len=context, kv_cache_rows=most * context
+    )
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        recording = Path(tmp) / "recording.json"
+        record(runner, prompts, args.max_tokens, recording)
+        for method in args.methods.split(","):
+            spec = specs(method, family, recording)
+            temperatures = [0.0] if method.startswith("replay-") else args.temperatures
+            for temperature in temperatures:
+                for batch in args.batches:
+                    rows += measure(runner, prompts[:batch], method, spec, temperature, args)
+    notes = (
+        f"Demo family `{args.size}`, `mid` prompts of {args.prompt_tokens} tokens, {args.max_tokens} new tokens "
+        f"each, seeded requests, in-process drafters, chains, one torch thread, {args.repeats} repeats in "
+        "rotating order after one unmeasured warm-up (medians; speedups are ratios to `plain` in the same "
+        "repeat). `K<k>`: every sequence drafts k tokens every round (fixed, vLLM's behaviour); `adaptive`: "
+        f"the speculation policy with ceiling {CEILING_DEPTH} (`mean_depth` = its mean chosen depth, 0 = no "
+        "draft; one policy per configuration, carried across its runs as in a long-running server). `replay-a`: the target's recorded greedy continuation with each token replaced with "
+        "probability 1 - a, at T = 0; `ideal_speedup` = tau(K) x verify(B) / verify(B (K + 1)) from the "
+        "verify-cost line the adaptive engine fitted in this run (for `adaptive`, the best fixed K's ideal)."
+    )
+    json_path, _ = write_report(
+        f"policy_{args.size}",
+        rows,
+        {"size": args.size, "argv": sys.argv[1:]},
+        title="Speculation policy vs fixed K",
+        notes=notes,
+        columns=list(dict.fromkeys(key for row in rows for key in row)),
+        **({"results_dir": args.results_dir} if args.results_dir else {}),
+    )
+    print(f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
