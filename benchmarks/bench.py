@@ -45,6 +45,7 @@ PRESETS = {
         "max_tokens": 24,
         "prompt_tokens": 48,
         "tree_sizes": "8",
+        "budget_policy": "adaptive",
         "concurrency": "1",
         "serve_requests": 2,
         "serve_repeats": 1,
@@ -56,6 +57,7 @@ PRESETS = {
         "max_tokens": 128,
         "prompt_tokens": 128,
         "tree_sizes": "4,8,16,32",
+        "budget_policy": "both",
         "concurrency": "1,4,16",
         "serve_requests": 8,
         "serve_repeats": 2,
@@ -114,6 +116,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--temperatures", default="0,1", help="(default: %(default)s)")
     parser.add_argument("--methods", help="comma-separated subset of method labels (plain is always run)")
+    parser.add_argument(
+        "--budget-policy",
+        choices=("adaptive", "fixed", "both"),
+        help="how each method's drafts are sized: the speculation policy (label suffix `+adaptive`), "
+        "its fixed K every round, or both side by side (default: both; adaptive with --quick)",
+    )
     parser.add_argument(
         "--tree-sizes",
         help="tree budgets (max nodes) for the tree-size sweep; empty = none (default: 4,8,16,32)",

@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    import outrider.benchmarks.replay_drafter  # noqa: F401 - registers `replay`
     from outrider.benchmarks.prompts import load_prompts
+    from outrider.benchmarks.replay_drafter import registered
     from outrider.benchmarks.report import write_report
     from outrider.demo.family import ensure_demo_family
     from outrider.target_worker.runner import ModelRunner
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         family.target_dir, max_model_len=context, kv_cache_rows=most * context
     )
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, registered():
         recording = Path(tmp) / "recording.json"
         record(runner, prompts, args.max_tokens, recording)
         for method in args.methods.split(","):

@@ -34,11 +34,26 @@ from outrider.benchmarks.bench_drafting import (
 Generate = Callable[[list[int], object], tuple[Run, list[int]]]
 
 
+def with_budget_policies(table: dict[str, dict | None], policy: str) -> dict[str, dict | None]:
+    """Each speculative config as fixed K (its label), adaptive (`<label>+adaptive`), or both."""
+    out: dict[str, dict | None] = {}
+    for label, config in table.items():
+        if config is None:
+            out[label] = None
+            continue
+        if policy in ("fixed", "both"):
+            out[label] = {**config, "budget_policy": "fixed"}
+        if policy in ("adaptive", "both"):
+            out[f"{label}+adaptive" if policy == "both" else label] = {**config, "budget_policy": "adaptive"}
+    return out
+
+
 def engine_runs(
     runner, table: dict[str, dict | None], vocab: int, skipped: list[dict]
 ) -> dict[str, Generate]:
     """One Engine per config on the shared runner; a config that fails to build is skipped, with why."""
     from outrider.draft_worker import build_proposer
+    from outrider.proto import DEFAULT_TREE_BUDGET
     from outrider.target_worker.draft_source import InProcessDraftSource
     from outrider.target_worker.engine import Engine
 
@@ -51,7 +66,15 @@ def engine_runs(
                 {"method": config["method"], "label": label, "reason": f"proposer failed to build: {e}"}
             )
             continue
-        engine = KeepTokens(Engine(runner, source and InProcessDraftSource(source), eos_token_id=None))
+        engine = KeepTokens(
+            Engine(
+                runner,
+                source and InProcessDraftSource(source),
+                eos_token_id=None,
+                tree_budget=source.proposer.config.budget if source else DEFAULT_TREE_BUDGET,
+                budget_policy=(config or {}).get("budget_policy", "fixed"),
+            )
+        )
 
         def run(prompt, params, engine=engine, source=source):
             return generate_one(engine, source, prompt, params), engine.tokens
@@ -239,6 +262,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     if args.methods:
         wanted = {"plain", *args.methods.split(",")}
         table = {k: v for k, v in table.items() if k in wanted}
+    table = with_budget_policies(table, args.budget_policy)
     log(f"models ready; building {len(table)} engines and the transformers peers")
     tokenizer = AutoTokenizer.from_pretrained(models.tokenizer_dir)
     context = args.prompt_tokens + args.max_tokens

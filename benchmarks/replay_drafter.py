@@ -6,9 +6,9 @@ replaced by another with probability 1 - `acceptance`. At T = 0 every draft toke
 kept with probability `acceptance`, independently, so the acceptance length of a K-token
 chain is (1 - a^(K+1)) / (1 - a) exactly, and drafting costs next to nothing: what a
 benchmark measures is how much of that ideal the engine turns into speed, and where the
-speculation policy puts its budgets for each a. It lives with the benchmarks and registers
-only when imported (`import outrider.benchmarks.replay_drafter`): nothing serves it by
-default, and it needs a recording of the very target it drafts for.
+speculation policy puts its budgets for each a. It lives with the benchmarks and is
+registered only while one runs (`registered()`): nothing serves it, and it needs a recording
+of the very target it drafts for.
 
     {"method": "replay", "num_speculative_tokens": 8, "acceptance": 0.7, "recording": "rec.json"}
 """
@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from outrider.draft_worker.ngram import chain_tree
-from outrider.draft_worker.proposer import Proposer, register_proposer, root_only_tree
+from outrider.draft_worker.proposer import Proposer, register_proposer, root_only_tree, unregister_proposer
 from outrider.proto import CandidateTree, SequenceUpdate
 
 
@@ -45,7 +46,6 @@ class ReplayState:
     recording: list[int] | None = None  # the recording this context follows, once found
 
 
-@register_proposer("replay")
 class ReplayProposer(Proposer[ReplayState]):
     Options = ReplayOptions
 
@@ -78,3 +78,13 @@ class ReplayProposer(Proposer[ReplayState]):
             ]
             trees.append(chain_tree(update, drafted) if drafted else root_only_tree(update))
         return trees
+
+
+@contextmanager
+def registered() -> Iterator[None]:
+    """`replay` is a speculative method inside the block, and unknown again after it."""
+    register_proposer("replay")(ReplayProposer)
+    try:
+        yield
+    finally:
+        unregister_proposer("replay")

@@ -280,6 +280,11 @@ def register_proposer(method: str) -> Callable[[P], P]:
     return register
 
 
+def unregister_proposer(method: str) -> None:
+    """Forget `method`: for a method registered only for a while (a benchmark's, a test's)."""
+    _PROPOSERS.pop(method, None)
+
+
 # Modules whose import registers a built-in method; loaded the first time the registry is read.
 _BUILTIN_MODULES = (
     "outrider.draft_worker.ngram",

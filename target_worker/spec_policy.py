@@ -19,8 +19,9 @@ batch's expected committed tokens per second is highest:
 - the maximum is found by Dinkelbach's iteration for each deepest budget m: for a ratio
   lambda, each sequence independently takes the k <= m maximising tokens(k) - lambda b
   nodes(k); lambda <- the resulting ratio, until it settles;
-- a sequence whose budget is 0 is probed with depth 1 every `probe_every` rounds, so its
-  estimates stay current when its text turns predictable again;
+- sequences whose budget is 0 are probed with depth 1 on shared probe rounds, every
+  `probe_every` rounds and less often while speculation stays off everywhere, so their
+  estimates stay current when their text turns predictable again;
 - the first rounds cycle the depth 0 .. ceiling, so the cost fits see a spread of tokens and
   depths; a fit keeps its last slope while later rounds stop varying.
 
@@ -42,9 +43,10 @@ NO_DRAFT = TreeBudget(max_nodes=1, max_depth=0, top_k=0)
 @dataclass(frozen=True)
 class PolicyConfig:
     adaptive: bool = True  # False: every sequence drafts the ceiling (vLLM's fixed K)
-    probe_every: int = 16  # rounds between depth-1 probes of a sequence not speculating
+    probe_every: int = 16  # rounds between depth-1 probes of the sequences not speculating
+    max_probe_every: int = 256  # the spacing doubles up to this while speculation stays off
     prior_strength: float = 4.0  # pseudo-observations of the batch-wide estimate per depth
-    sequence_decay: float = 0.9  # per-observation decay of a sequence's counts (recent text matters)
+    sequence_decay: float = 0.8  # per-observation decay of a sequence's counts (recent text matters)
     global_decay: float = 0.995
     cost_decay: float = 0.98  # per-round decay of the cost fits' sums (conditions drift)
     resolve_every: int = 8  # rounds between full solves of the deepest budget and the ratio
@@ -126,6 +128,7 @@ class SpeculationPolicy:
         self.deepest_seen = 0  # the drafter may draft less than the ceiling: never plan past it + 1
         self.rounds = 0
         self._solved: tuple[int, float, int] | None = None  # (deepest budget, ratio, at round)
+        self._probe_interval, self._next_probe = self.config.probe_every, 0
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
         self._predicted: dict[int, float] = {}
         width = (ceiling.max_nodes - 1) / depth if ceiling.max_depth else 0.0
@@ -182,6 +185,10 @@ class SpeculationPolicy:
             if budget_depth == 0:
                 continue
             drafted += 1
+            if accepted and self._solved is not None and self._solved[0] == 0:
+                # A probe's draft was kept while speculation is off: look again soon, and often.
+                self._probe_interval = self.config.probe_every
+                self._next_probe = min(self._next_probe, self.rounds + 1)
             # Asked for a draft and given none (nothing matched): for the policy, as good as a
             # first draft token lost.
             tree_depth = max(tree_depth, 1)
@@ -202,16 +209,22 @@ class SpeculationPolicy:
     def _gain(self, seq_ids: Seq[int]) -> np.ndarray:
         """[B, K + 1]: expected committed tokens per depth 0 .. ceiling, 1 + survival products.
 
-        A sequence's rate is its decayed counts plus `prior_strength` pseudo-observations of
-        the batch-wide rate (a new sequence has the batch's); depths past the deepest tree
-        ever drafted (+1, to find out) earn nothing."""
+        A sequence's rate at depth d is its decayed counts plus `prior_strength`
+        pseudo-observations of an anchor: the batch-wide counts at depth d, themselves shrunk
+        toward the sequence's own rate at depth d - 1. So a new sequence starts from the batch,
+        and a depth nobody has drafted lately is expected to do about as well as the one
+        above it (so it gets tried when that one pays). Depths past the deepest tree ever
+        drafted (+1, to find out) earn nothing."""
         g, prior = self.glob, self.config.prior_strength
-        global_rate = (g.kept + 0.5) / (g.tries + 1.0)  # a weak optimistic start: 0.5
-        zero = np.zeros_like(global_rate)
+        zero = np.zeros_like(g.tries)
         own = [self.seqs.get(s) for s in seq_ids]
-        tries = np.stack([o.tries if o is not None else zero for o in own])
+        tries = np.stack([o.tries if o is not None else zero for o in own])  # [B, K]
         kept = np.stack([o.kept if o is not None else zero for o in own])
-        rate = (kept + prior * global_rate) / (tries + prior)
+        rate = np.empty_like(tries)
+        above = np.full(len(seq_ids), 0.5)  # the rate at depth d - 1 (a weak 0.5 above depth 1)
+        for d in range(tries.shape[1]):
+            anchor = (g.kept[d] + prior * above) / (g.tries[d] + prior)
+            rate[:, d] = above = (kept[:, d] + prior * anchor) / (tries[:, d] + prior)
         rate[:, max(self.deepest_seen + 1, 1) :] = 0.0
         survival = np.cumsum(np.cumprod(rate, axis=1), axis=1)
         return np.concatenate([np.ones((len(seq_ids), 1)), 1.0 + survival], axis=1)
@@ -272,9 +285,17 @@ class SpeculationPolicy:
         return best_at(m, lam)[0].tolist()
 
     def _probed(self, seq_ids: Seq[int], depths: list[int], ceiling: list[int]) -> list[int]:
-        """Sequences not speculating try depth 1 now and then (staggered by id) to stay measured."""
-        every = self.config.probe_every
-        return [
-            1 if k == 0 and cap > 0 and (self.rounds + s) % every == 0 else k
-            for s, k, cap in zip(seq_ids, depths, ceiling, strict=True)
-        ]
+        """On probe rounds every sequence not speculating drafts depth 1, so its estimates stay
+        current. Probe rounds are shared (the drafter's fixed cost per call is paid once for
+        all of them) and spaced `probe_every` rounds apart, doubling while speculation stays
+        off everywhere (up to `max_probe_every`) and back to `probe_every` once it pays."""
+        if not self.config.adaptive or self._warming_up():
+            return depths
+        if any(depths):
+            self._probe_interval = self.config.probe_every
+        if self.rounds < self._next_probe:
+            return depths
+        self._next_probe = self.rounds + self._probe_interval
+        if not any(depths):
+            self._probe_interval = min(2 * self._probe_interval, self.config.max_probe_every)
+        return [1 if k == 0 and cap > 0 else k for k, cap in zip(depths, ceiling, strict=True)]

@@ -59,16 +59,34 @@ def test_each_sequence_gets_its_own_depth():
     assert chosen[0] >= 3 and chosen[1] <= 1
 
 
-def test_a_sequence_turned_off_is_probed_now_and_then():
-    policy = SpeculationPolicy(CEILING, PolicyConfig(probe_every=4))
-    simulate(policy, {7: 0.0}, rounds=40, verify=(1e-3, 1e-3, 1e-4), draft=(5e-4, 1e-3))
-    seen = [policy.budgets([7], [CEILING], 0)[0].max_depth for _ in range(8)]
-    # Each call is the same round (no observe between), so the probe phase is fixed; over rounds:
-    probes = []
-    for _ in range(8):
-        policy.observe([(7, 0, 0, 0, 1)], 1, 1e-3, 0, 0.0)
-        probes.append(policy.budgets([7], [CEILING], 0)[0].max_depth)
-    assert set(seen) <= {0, 1} and probes.count(1) == 2 and probes.count(0) == 6
+def test_sequences_turned_off_are_probed_ever_less_often_until_drafts_pay_again():
+    policy = SpeculationPolicy(CEILING, PolicyConfig(probe_every=4, max_probe_every=32))
+
+    def cost(
+        depths,
+    ):  # the same hardware throughout: verify 1 ms + 20 us a token, drafting 0.5 ms + 0.2 ms a step
+        tokens = 2 + sum(depths)
+        return tokens, 1e-3 + 2e-5 * tokens + 1e-4 * sum(k > 0 for k in depths), 5e-4 + 2e-4 * max(depths)
+
+    simulate(policy, {7: 0.0, 8: 0.0}, rounds=30, verify=(1e-3, 2e-5, 1e-4), draft=(5e-4, 2e-4))
+    probe_rounds = []
+    for _ in range(120):
+        depths = [b.max_depth for b in policy.budgets([7, 8], [CEILING] * 2, 0)]
+        if any(depths):
+            assert depths == [1, 1]  # a shared probe round: both at once
+            probe_rounds.append(policy.rounds)
+        outcomes = [(s, k, k, 0, 1) for s, k in zip([7, 8], depths, strict=True)]
+        tokens, round_s, draft_s = cost(depths)
+        policy.observe(outcomes, tokens, round_s, max(depths), draft_s * bool(any(depths)))
+    gaps = [b - a for a, b in zip(probe_rounds, probe_rounds[1:], strict=False)]
+    assert gaps[:3] == sorted(gaps[:3]) and gaps[-1] == 32  # doubling, up to the cap
+    # The text turns predictable: a probe sees its draft kept, and speculation comes back.
+    for _ in range(80):
+        depths = [b.max_depth for b in policy.budgets([7, 8], [CEILING] * 2, 0)]
+        outcomes = [(s, k, k, k, k + 1) for s, k in zip([7, 8], depths, strict=True)]
+        tokens, round_s, draft_s = cost(depths)
+        policy.observe(outcomes, tokens, round_s, max(depths), draft_s * bool(any(depths)))
+    assert min(depths) >= 2
 
 
 def test_fixed_drafts_the_ceiling_and_warmup_cycles_the_depths():
