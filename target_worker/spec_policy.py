@@ -129,6 +129,7 @@ class SpeculationPolicy:
         self.rounds = 0
         self._solved: tuple[int, float, int] | None = None  # (deepest budget, ratio, at round)
         self._probe_interval, self._next_probe = self.config.probe_every, 0
+        self._gain_rows: dict[int, np.ndarray] = {}  # seq_id -> its `_gains` row, while valid
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
         self._predicted: dict[int, float] = {}
         width = (ceiling.max_nodes - 1) / depth if ceiling.max_depth else 0.0
@@ -193,6 +194,7 @@ class SpeculationPolicy:
             # first draft token lost.
             tree_depth = max(tree_depth, 1)
             self.deepest_seen = max(self.deepest_seen, tree_depth)
+            self._gain_rows.pop(seq_id, None)
             own = self.seqs.setdefault(seq_id, _Acceptance.empty(len(self.glob.tries)))
             own.add(tree_depth, accepted, config.sequence_decay)
             self.glob.add(tree_depth, accepted, config.global_decay)
@@ -202,11 +204,21 @@ class SpeculationPolicy:
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
+        self._gain_rows.pop(seq_id, None)
         self._predicted.pop(seq_id, None)
 
     # ---- the choice ----------------------------------------------------------------------
 
     def _gain(self, seq_ids: Seq[int]) -> np.ndarray:
+        """`_gains` by sequence, cached until the sequence drafts again or the next full solve."""
+        if self._due():
+            self._gain_rows.clear()
+        missing = [s for s in seq_ids if s not in self._gain_rows]
+        if missing:
+            self._gain_rows.update(zip(missing, self._gains(missing), strict=True))
+        return np.stack([self._gain_rows[s] for s in seq_ids])
+
+    def _gains(self, seq_ids: Seq[int]) -> np.ndarray:
         """[B, K + 1]: expected committed tokens per depth 0 .. ceiling, 1 + survival products.
 
         A sequence's rate at depth d is its decayed counts plus `prior_strength`
@@ -254,35 +266,30 @@ class SpeculationPolicy:
         c, e = self.draft_cost.coefficients()
         ks = np.arange(gain.shape[1])
         per_seq = b * self._nodes + overhead * (ks > 0)  # [K + 1] seconds a sequence adds
-        cap = np.array(ceiling)[:, None]  # [B, 1]
-        rows = np.arange(gain.shape[0])
+        ms = ks if due else np.array([self._solved[0]])  # the deepest budgets to weigh: [M]
+        allowed = ks[None, None, :] <= np.minimum(
+            np.array(ceiling)[None, :, None], ms[:, None, None]
+        )  # [M, B, K+1]
+        fixed_s = a + b * prefill_tokens + np.where(ms > 0, c + e * ms, 0.0)  # [M]
+        lam = np.full(len(ms), self._solved[1] if self._solved else 0.0)  # [M]
 
-        def best_at(m: int, lam: float) -> tuple[np.ndarray, float, float]:
-            """Each sequence's best depth <= m for ratio lam, and the batch's (rate, lam')."""
-            score = np.where(ks[None, :] <= np.minimum(cap, m), gain - lam * per_seq[None, :], -np.inf)
-            choice = score.argmax(1)
-            seconds = a + b * prefill_tokens + per_seq[choice].sum() + (c + e * m if m else 0.0)
-            rate = gain[rows, choice].sum() / max(seconds, 1e-9)
-            return choice, rate, rate
-
-        # The deepest budget m and the ratio lam are re-solved every few rounds (Dinkelbach:
-        # lam <- the rate its choice achieves, from the last lam); in between each sequence
-        # only re-picks its depth under them, as its own estimates move.
+        # Dinkelbach for every deepest budget m at once: for a ratio lam each sequence takes
+        # the depth <= m maximising tokens - lam * seconds; lam <- the rate that achieves.
+        # Between full solves (every `resolve_every` rounds) only the last m and lam are kept,
+        # and each sequence re-picks its depth under them as its own estimates move.
+        for _ in range(4 if due else 1):
+            score = np.where(allowed, gain[None] - lam[:, None, None] * per_seq[None, None, :], -np.inf)
+            choice = score.argmax(2)  # [M, B]
+            tokens = np.take_along_axis(gain[None].repeat(len(ms), 0), choice[:, :, None], 2)[:, :, 0].sum(1)
+            rate = tokens / np.maximum(fixed_s + per_seq[choice].sum(1), 1e-9)  # [M]
+            settled = np.abs(rate - lam) <= 1e-4 * np.maximum(rate, 1.0)
+            lam = rate
+            if settled.all():
+                break
+        best = int(rate.argmax())
         if due:
-            best, best_rate, lam0 = None, -1.0, self._solved[1] if self._solved else 0.0
-            for m in range(gain.shape[1]):
-                lam = lam0
-                for _ in range(4):
-                    choice, rate, lam_next = best_at(m, lam)
-                    if abs(lam_next - lam) <= 1e-4 * max(lam_next, 1.0):
-                        break
-                    lam = lam_next
-                if rate > best_rate * (1 + 1e-9):
-                    best, best_rate, best_m, best_lam = choice, rate, m, lam_next
-            self._solved = (best_m, best_lam, self.rounds)
-            return best.tolist()
-        m, lam, _ = self._solved
-        return best_at(m, lam)[0].tolist()
+            self._solved = (int(ms[best]), float(lam[best]), self.rounds)
+        return choice[best].tolist()
 
     def _probed(self, seq_ids: Seq[int], depths: list[int], ceiling: list[int]) -> list[int]:
         """On probe rounds every sequence not speculating drafts depth 1, so its estimates stay

@@ -68,8 +68,8 @@ class ShuffledBudgets(SpeculationPolicy):
         super().__init__(ceiling)
         self.rng = random.Random(seed)
 
-    def _depths(self, seq_ids, limits, prefill_tokens):
-        return [self.rng.randint(0, max(0, min(self.ceiling.max_depth, limit))) for limit in limits]
+    def _depths(self, gain, ceiling, prefill_tokens):
+        return [self.rng.randint(0, cap) for cap in ceiling]
 
 
 def generate(eng: Engine, prompts, params) -> list[list[int]]:
