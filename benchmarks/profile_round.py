@@ -4,20 +4,20 @@
     python -m outrider.benchmarks.profile_round --size small --methods plain,ngram
 
 For each method (plain, ngram, draft_model, eagle3, medusa), temperature (0, 1) and batch
-size (1, 16), one batch of requests runs under cProfile and every function's own time is
-charged to a phase by the module it lives in:
+size (1, 16), the decode rounds of one batch of requests run under cProfile, and each
+phase of `Engine.step` is charged the cumulative time of the functions that make it up:
 
-    forward    the target model (target_worker/models, layers, runner, batch building)
-    drafting   the proposer (draft_worker/*) inside `collect`
-    verify     kernels/verification, logits processing, random numbers
-    plan       round planning, tree packing, validation (round_plan, packing, proto)
-    policy     the speculation policy and the trust checks
-    engine     the rest of target_worker/engine, sequences, KV bookkeeping
-    torch/py   torch and Python internals not attributed above (tensor creation, lists)
+    forward    ModelRunner.forward: the target model, batch building included
+    drafting   the draft source's collect (in-process proposers draft inside it) and submit
+    verify     target probabilities (logits processing), random numbers, kernels.verify
+    plan       tree checks (`_checked_trees`, trust demotion included) and `plan_round` (packing)
+    policy     the speculation policy (budgets, observe) and the trust audit
+    commit     KV path compaction, appending outputs, acceptance counters
+    other      the rest of `Engine.step` (admission, lanes, deltas, bookkeeping)
 
-Reported per round in microseconds (cProfile adds its own overhead, the same for every
-row; read shares, not absolutes), with tokens per round and tokens per second measured
-without the profiler right before.
+Reported as shares of `Engine.step`'s time (cProfile's overhead inflates Python-heavy
+phases alike for every row: read shares side by side, not as absolute costs), with tokens
+per round, microseconds per round and tokens per second measured without the profiler.
 """
 
 from __future__ import annotations
@@ -32,30 +32,43 @@ from pathlib import Path
 
 import torch
 
-PHASES = (
-    ("drafting", ("draft_worker/",)),
-    (
-        "forward",
-        (
-            "target_worker/models/",
-            "target_worker/layers/",
-            "target_worker/runner.py",
-            "target_worker/batch.py",
-        ),
+PHASES = {
+    "forward": (("target_worker/runner.py", "forward"),),
+    "drafting": (("draft_source.py", "collect"), ("draft_source.py", "submit"), ("target.py", "collect")),
+    "verify": (
+        ("target_worker/engine.py", "_target_probs"),
+        ("target_worker/engine.py", "_randoms"),
+        ("target_worker/engine.py", "_is_greedy"),
+        ("kernels/verification.py", "verify"),
     ),
-    ("verify", ("kernels/verification", "kernels/logits_processing", "kernels/spec_metrics")),
-    ("plan", ("target_worker/round_plan.py", "kernels/packing.py", "proto/", "kernels/tree_buffers.py")),
-    ("policy", ("target_worker/spec_policy.py", "target_worker/draft_trust.py")),
-    ("engine", ("target_worker/",)),
-)
+    "plan": (("target_worker/engine.py", "_checked_trees"), ("target_worker/round_plan.py", "plan_round")),
+    "policy": (
+        ("target_worker/spec_policy.py", "budgets"),
+        ("target_worker/spec_policy.py", "observe"),
+        ("target_worker/draft_trust.py", "audit"),
+    ),
+    "commit": (
+        ("target_worker/kv_cache.py", "commit_paths"),
+        ("target_worker/engine.py", "_append_outputs"),
+        ("kernels/spec_metrics.py", "observe"),
+    ),
+}
 
 
-def phase_of(filename: str) -> str:
-    path = filename.replace("\\", "/")
-    for phase, markers in PHASES:
-        if any(marker in path for marker in markers) and "site-packages" not in path:
-            return phase
-    return "torch/py"
+def phase_shares(stats: pstats.Stats) -> dict[str, float]:
+    """Each phase's cumulative time as a share of `Engine.step`'s."""
+    cumulative: dict[tuple[str, str], float] = {}
+    for (filename, _, name), (_, _, _, cum, _) in stats.stats.items():
+        key = (filename.replace("\\", "/"), name)
+        cumulative[key] = cumulative.get(key, 0.0) + cum
+
+    def total(suffix: str, name: str) -> float:
+        return sum(t for (f, n), t in cumulative.items() if n == name and f.endswith(suffix))
+
+    step = total("target_worker/engine.py", "step")
+    shares = {phase: sum(total(f, n) for f, n in parts) / step for phase, parts in PHASES.items()}
+    shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+    return shares
 
 
 def configs(family, heads: dict[str, Path]) -> dict[str, dict | None]:
@@ -111,17 +124,12 @@ def measure(runner, prompts, config, temperature, max_tokens) -> dict:
     while engine.has_unfinished():
         engine.step()
     profile.disable()
-    stats = pstats.Stats(profile)
-    phases: dict[str, float] = {}
-    for (filename, _, _), (_, _, own, _, _) in stats.stats.items():
-        phase = phase_of(filename)
-        phases[phase] = phases.get(phase, 0.0) + own
-    total = sum(phases.values())
+    shares = phase_shares(pstats.Stats(profile))
     return {
         "tokens_per_s": tokens / elapsed,
         "tokens_per_round": tokens / max(rounds, 1),
         "round_us": 1e6 * elapsed / max(rounds, 1),
-        **{f"{p}_share": phases.get(p, 0.0) / total for p, _ in (*PHASES, ("torch/py", ()))},
+        **{f"{phase}_share": share for phase, share in shares.items()},
     }
 
 
@@ -174,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Demo family `{args.size}`, `mid` prompts of {args.prompt_tokens} tokens, {args.max_tokens} new tokens, "
         "decode rounds only (prompts prefilled first), fixed budgets (each method's own K, chains), one torch "
         "thread. `round_us`, `tokens_per_round` and `tokens_per_s` are measured without the profiler; the "
-        "`*_share` columns split cProfile's own-time per function by the module it lives in (module docstring "
-        "of benchmarks/profile_round.py); they add up to 1."
+        "`*_share` columns are each phase's cumulative time under cProfile as a share of `Engine.step`'s "
+        "(phases in the module docstring of benchmarks/profile_round.py); they add up to 1."
     )
     json_path, _ = write_report(
         f"profile_round_{args.size}",

@@ -38,7 +38,9 @@ _WITHOUT_REPLACEMENT = int(DraftSampling.WITHOUT_REPLACEMENT)
 @dataclass
 class VerifyRandoms:
     uniforms: torch.Tensor  # [total_nodes] float32 in [0, 1); node i's acceptance test
-    exponentials: torch.Tensor  # [batch, vocab] float32 > 0; Exp(1) noise for the final draw
+    # [batch, vocab] float32 > 0; Exp(1) noise for the final draw. None when every tree is
+    # root-only (plain decoding): the final draw is then by inverse CDF with the root's uniform.
+    exponentials: torch.Tensor | None
 
 
 @dataclass
@@ -62,18 +64,33 @@ def draw_verify_randoms(
 
     `generators` is one generator for the whole batch, or one per sequence (None entries use
     torch's default generator): a seeded request gets the same numbers whatever it is batched
-    with. Generators must live on `device`.
+    with. Generators must live on `device`. A root-only tree (plain decoding of one token)
+    takes one uniform and no exponentials: its token is drawn by inverse CDF (`verify`), so
+    plain decoding does not pay a vocabulary's worth of noise per token; `exponentials` is
+    None when every tree is root-only.
     """
     device = torch.device(device or cu_num_draft_tokens.device)
     sizes = (cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]).tolist()
-    if generators is None or isinstance(generators, torch.Generator):
+    drafted = [n > 1 for n in sizes]
+    shared = generators is None or isinstance(generators, torch.Generator)
+    if shared:
         uniforms = torch.rand(sum(sizes), generator=generators, device=device)
-        exponentials = torch.empty(len(sizes), vocab_size, device=device).exponential_(generator=generators)
     else:
         per_seq = zip(sizes, generators, strict=True)
-        uniforms = torch.cat([torch.rand(n, generator=g, device=device) for n, g in per_seq])
+        uniforms = torch.cat(
+            [torch.rand(n, generator=g, device=device) for n, g in per_seq] or [torch.empty(0, device=device)]
+        )
+    if not any(drafted):
+        return VerifyRandoms(uniforms, None)
+    if shared:
+        exponentials = torch.empty(len(sizes), vocab_size, device=device).exponential_(generator=generators)
+    else:
+        ones = torch.ones(vocab_size, device=device)  # root-only rows: never read (inverse CDF)
         exponentials = torch.stack(
-            [torch.empty(vocab_size, device=device).exponential_(generator=g) for g in generators]
+            [
+                torch.empty(vocab_size, device=device).exponential_(generator=g) if d else ones
+                for d, g in zip(drafted, generators, strict=True)
+            ]
         )
     # exponential_ may return 0, and r / 0 would make a zero-probability token win the race.
     return VerifyRandoms(uniforms, exponentials.clamp_min_(torch.finfo(torch.float32).tiny))
@@ -98,10 +115,21 @@ def verify(
     if use_triton(backend, target_probs.device):
         from outrider.kernels.verification_triton import verify_triton
 
-        return verify_triton(trees, target_probs, is_greedy, randoms)
-    if target_probs.device.type == "cpu" and bool(is_greedy.all()):
+        out = verify_triton(trees, target_probs, is_greedy, randoms)
+    elif target_probs.device.type == "cpu" and bool(is_greedy.all()):
         return verify_greedy_host(trees, target_probs)
-    return verify_reference(trees, target_probs, is_greedy, randoms)
+    else:
+        out = verify_reference(trees, target_probs, is_greedy, randoms)
+    # Root-only trees of sampled sequences beside drafted ones: their token by inverse CDF with
+    # their one uniform, as when the whole batch is root-only (`draw_verify_randoms`).
+    starts = trees.cu_num_draft_tokens[:-1]
+    roots = (trees.cu_num_draft_tokens[1:] - starts == 1) & ~is_greedy
+    if bool(roots.any()):
+        rows = roots.nonzero().squeeze(1)
+        out.output_token_ids[rows, 0] = _inverse_cdf(
+            target_probs[starts[rows]], randoms.uniforms[starts[rows]]
+        )
+    return out
 
 
 def verify_reference(
@@ -174,23 +202,41 @@ def verify_reference(
 
     # Recovered (or bonus) token: a degenerate all-zero residual falls back to p.
     source = torch.where((mass > 0)[:, None], residual, target_probs[starts + node])
-    drawn = (source / randoms.exponentials).argmax(-1)
+    if randoms.exponentials is None:  # root-only trees: one uniform each (`draw_verify_randoms`)
+        drawn = _inverse_cdf(source, randoms.uniforms[starts])
+    else:
+        drawn = (source / randoms.exponentials).argmax(-1)
     final = torch.where(is_greedy, target_argmax[starts + node], drawn)
     return assemble_verify_output(tokens, accepted, num_accepted, final)
 
 
 def verify_roots(target_probs: torch.Tensor, is_greedy: torch.Tensor, randoms: VerifyRandoms) -> VerifyOutput:
-    """Root-only trees (one node each): every output is the bonus token, drawn from p by the
-    same exponential race as `verify_reference` (argmax for greedy rows), in three ops."""
-    final = target_probs.argmax(-1)
-    if not bool(is_greedy.all()):
-        final = torch.where(is_greedy, final, (target_probs / randoms.exponentials).argmax(-1))
+    """Root-only trees (one node each): every output is the bonus token, drawn from p (argmax
+    for greedy rows): by inverse CDF with each root's uniform, or, when the randoms carry
+    exponentials, by the same exponential race as `verify_reference`."""
+    greedy = int(is_greedy.sum())
+    if greedy == is_greedy.numel():
+        final = target_probs.argmax(-1)
+    else:
+        if randoms.exponentials is None:
+            final = _inverse_cdf(target_probs, randoms.uniforms)
+        else:
+            final = (target_probs / randoms.exponentials).argmax(-1)
+        if greedy:
+            final = torch.where(is_greedy, target_probs.argmax(-1), final)
     batch = final.shape[0]
     return VerifyOutput(
         torch.empty(batch, 0, dtype=torch.int64, device=final.device),
         final[:, None],
         torch.ones(batch, dtype=torch.int64, device=final.device),
     )
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[B] tokens drawn from the rows of `probs` [B, V] (unnormalised) with one uniform each."""
+    cdf = probs.cumsum(-1)
+    drawn = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)[:, 0]
+    return drawn.clamp_(max=probs.shape[-1] - 1)
 
 
 def verify_greedy_host(trees: PackedTrees, target_probs: torch.Tensor) -> VerifyOutput:

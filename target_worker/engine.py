@@ -431,6 +431,11 @@ class Engine:
             # All greedy: verification reads only each node's argmax, which the raw logits
             # already have (the CPU verifier's greedy scan); skip the softmax over the vocabulary.
             return logits[: int(cu[-1])]
+        first = params[0]
+        if first.temperature > 0 and all(
+            (q.temperature, q.top_k, q.top_p, q.min_p) == (first.temperature, 0, 1.0, 0.0) for q in params
+        ):  # one temperature, no truncation (the common case): a softmax, nothing per row
+            return torch.softmax(logits[: int(cu[-1])].float() / first.temperature, dim=-1)
         # [B, 4]: temperature, top_k, top_p, min_p per sequence, then per node.
         table = torch.tensor([[q.temperature, q.top_k, q.top_p, q.min_p] for q in params], device=cu.device)
         if plan.trees.max_num_nodes > 1:

@@ -78,7 +78,7 @@ def plan_round(
     for seq, tree in decoding:
         # A chain (node i under node i - 1; one node is a decode) needs no tree mask: plain
         # causal attention over its rows gives the same result without building one.
-        chain = bool(torch.equal(tree.parents, torch.arange(-1, tree.num_nodes - 1)))
+        chain = tree.num_nodes == 1 or bool(torch.equal(tree.parents, torch.arange(-1, tree.num_nodes - 1)))
         parents = None if chain else tree.parents
         chunks.append(
             SequenceChunk(seq.cache_start, seq.num_cached, tree.tokens, parents=parents, all_logits=True)
