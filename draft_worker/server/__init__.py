@@ -6,6 +6,7 @@
                                                 propose() per batch)
 
     batcher.py     DraftBatcher: the drafting loop, stream ids, the speculation cache's hooks
+    streams.py     Stream and StreamLimits: what one target may make the server hold
     servicer.py    DraftServicer: the DraftService methods, one reader thread per stream
     auth.py        ServerTls and TokenInterceptor: who may connect
     bootstrap.py   serve() and DraftServer: the gRPC server with health and reflection
@@ -18,6 +19,7 @@ from outrider.draft_worker.server.auth import ServerTls, TokenInterceptor
 from outrider.draft_worker.server.batcher import DraftBatcher, DraftIdentity, ServerStats
 from outrider.draft_worker.server.bootstrap import DRAFT_SERVICE, DraftServer, serve
 from outrider.draft_worker.server.servicer import DraftServicer
+from outrider.draft_worker.server.streams import StreamError, StreamLimits
 
 __all__ = [
     "DRAFT_SERVICE",
@@ -27,6 +29,8 @@ __all__ = [
     "DraftServicer",
     "ServerStats",
     "ServerTls",
+    "StreamError",
+    "StreamLimits",
     "TokenInterceptor",
     "serve",
 ]

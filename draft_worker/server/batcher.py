@@ -19,6 +19,13 @@ otherwise silently miss tokens. The target decodes such a sequence unspeculated 
 With a speculation cache (`draft_worker.speculation.Speculator`) the loop also answers rounds
 from pre-drafted trees and, when nothing is pending and the idle window has room, pre-drafts
 the next round of one sequence at a time.
+
+A target is trusted with nothing that could exhaust the server (`StreamLimits`): a stream
+holding too many sequences or context tokens, or sending nothing but invalid updates, is
+ended with a gRPC status that says which (`StreamError`) and its sequences are freed; the
+target reconnects and re-syncs. A stream whose requests or answers pile up faster than they
+are drafted or read has its reader wait, so the backlog stays in gRPC's flow control and not
+in this server's memory.
 """
 
 from __future__ import annotations
@@ -29,9 +36,17 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+import grpc
 import torch
 
 from outrider.draft_worker.proposer import Proposer
+from outrider.draft_worker.server.streams import (
+    DEFAULT_STREAM_LIMITS,
+    Stream,
+    StreamError,
+    StreamLimits,
+    oversized,
+)
 from outrider.draft_worker.speculation import SpecCacheConfig, Speculator, supports_speculation
 from outrider.proto import (
     CandidateTree,
@@ -66,6 +81,7 @@ class ServerStats:
     batches: int = 0  # propose() calls
     trees_sent: int = 0
     invalid_updates: int = 0
+    streams_refused: int = 0  # ended with a status for breaking StreamLimits
     drafting_s: float = 0.0  # time inside propose()
     # The speculation cache (draft_worker.speculation): trees answered without drafting,
     # eligible updates that found none, drafting time the hits saved, time spent pre-drafting.
@@ -78,19 +94,9 @@ class ServerStats:
     trees_pushed: int = 0  # pre-drafted trees sent ahead of their round (SpeculativeTree)
 
 
-class Stream:
-    """One target connection: its outbox and its sequences' internal ids."""
-
-    def __init__(self, number: int):
-        self.number = number
-        self.outbox: queue.SimpleQueue[pb.DraftResponse | None] = queue.SimpleQueue()
-        self.internal: dict[int, int] = {}  # the target's seq_id -> the proposer's
-        self.desynced: set[int] = set()  # the target's seq_ids waiting for a `reset`
-        self.closed = False  # no more updates are taken; set under the batcher's lock
-
-
-# A queued item: an update with its validation error (None = fine), or None = close the stream.
-_Item = tuple[Stream, SequenceUpdate | None, InvalidDraftError | None]
+# A queued item: an update with its validation error (None = fine); (None, None) = close the
+# stream; (None, StreamError) = refuse it.
+_Item = tuple[Stream, SequenceUpdate | None, InvalidDraftError | StreamError | None]
 
 
 class DraftBatcher:
@@ -102,8 +108,10 @@ class DraftBatcher:
         identity: DraftIdentity,
         limits: Limits,
         speculation_cache: SpecCacheConfig | None = DEFAULT_SPEC_CACHE,
+        stream_limits: StreamLimits = DEFAULT_STREAM_LIMITS,
     ):
         self.proposer, self.identity, self.limits = proposer, identity, limits
+        self.stream_limits = stream_limits
         self._stats = ServerStats()
         use_cache = speculation_cache is not None and supports_speculation(proposer)
         self.speculator = Speculator(proposer, speculation_cache) if use_cache else None
@@ -131,12 +139,21 @@ class DraftBatcher:
         with self._cond:
             self._next_stream += 1
             self._stats.streams_opened += 1
-            stream = Stream(self._next_stream)
+            stream = Stream(self._next_stream, self.stream_limits)
             self._streams.add(stream)
             return stream
 
-    def submit(self, stream: Stream, message: pb.DraftRequest) -> None:
-        """Decode and check one request (reader thread), then queue it for the next batch."""
+    def submit(self, stream: Stream, message: pb.DraftRequest) -> bool:
+        """Decode and check one request (reader thread), then queue it for the next batch.
+
+        Waits while the stream's backlog is full; False once the stream takes no more requests.
+        """
+        if not self._wait_for_room(stream):
+            return False
+        too_much = oversized(message, self.stream_limits)
+        if too_much is not None:
+            self.refuse(stream, too_much)
+            return False
         decoded, items = [], []
         for i, update_message in enumerate(message.updates):
             try:
@@ -150,11 +167,29 @@ class DraftBatcher:
         items.extend((stream, u, e) for u, e in zip(decoded, errors, strict=True))
         with self._cond:
             if stream.closed:
-                return  # draining: rounds that arrive after the close marker are not served
+                return False  # draining: rounds that arrive after the close marker are not served
             if self.speculator is not None:
                 self.speculator.round_arrived()
             self._pending.extend(items)
+            stream.pending += bool(items)  # reset when the drafting loop takes them
             self._cond.notify()
+        return True
+
+    def refuse(self, stream: Stream, error: StreamError) -> None:
+        """End `stream` with `error` (any thread): it takes nothing more, its sequences are freed."""
+        with self._cond:
+            if stream.closed:
+                return
+            stream.closed = True
+            self._pending.append((stream, None, error))
+            self._cond.notify()
+
+    def _wait_for_room(self, stream: Stream) -> bool:
+        """Backpressure: the reader waits while the stream's requests or answers pile up."""
+        with self._cond:
+            while stream.backlogged() and not (stream.closed or self._stopping):
+                self._cond.wait(0.05)  # the outbox is drained by gRPC, which does not notify
+            return not (stream.closed or self._stopping)
 
     def close_stream(self, stream: Stream) -> None:
         """Finish what the stream already sent, free its sequences, then end its response stream."""
@@ -196,6 +231,9 @@ class DraftBatcher:
                     return
                 items, self._pending = self._pending, []
                 self._busy = bool(items)
+                for stream, _, _ in items:
+                    stream.pending = 0
+                self._cond.notify_all()  # readers waiting for room
             if not items:  # idle: pre-draft one sequence's next round
                 speculator.speculate(lambda: bool(self._pending), self._route)
                 continue
@@ -220,17 +258,31 @@ class DraftBatcher:
         batch: dict[int, SequenceUpdate] = {}  # internal id -> this batch's (merged) update
         closing: list[Stream] = []
         for stream, update, error in items:
+            if stream.refused:
+                continue
             if update is None:
-                closing.append(stream)
+                if isinstance(error, StreamError):
+                    self._refuse(stream, error, batch)
+                else:
+                    closing.append(stream)
             elif error is not None:
                 self._stats.invalid_updates += 1
                 log.warning("stream %d: %s; the sequence waits for a reset", stream.number, error)
                 stream.desynced.add(update.seq_id)
                 self._forget(stream, update.seq_id, batch)
+                stream.invalid_in_row += 1
+                if stream.invalid_in_row >= self.stream_limits.max_invalid_in_row:
+                    details = f"{stream.invalid_in_row} invalid updates in a row; the last: {error}"
+                    self._refuse(stream, StreamError(grpc.StatusCode.INVALID_ARGUMENT, details), batch)
             elif update.seq_id in stream.desynced and not update.reset:
                 continue
             else:
+                stream.invalid_in_row = 0
                 stream.desynced.discard(update.seq_id)
+                exceeded = stream.hold(update)
+                if exceeded is not None:
+                    self._refuse(stream, exceeded, batch)
+                    continue
                 internal = self._internal_id(stream, update.seq_id)
                 earlier = batch.get(internal)
                 batch[internal] = (
@@ -288,6 +340,18 @@ class DraftBatcher:
             for start in range(0, len(messages), self.limits.max_batch):
                 stream.outbox.put(pb.DraftResponse(trees=messages[start : start + self.limits.max_batch]))
 
+    def _refuse(self, stream: Stream, error: StreamError, batch: dict[int, SequenceUpdate]) -> None:
+        """Drafting thread: free the stream's sequences and end it with `error`."""
+        log.warning("stream %d refused (%s): %s", stream.number, error.code.name, error.details)
+        stream.refused = True
+        for seq_id in list(stream.internal):
+            self._forget(stream, seq_id, batch)
+        with self._cond:
+            stream.closed = True
+            self._streams.discard(stream)
+            self._stats.streams_refused += 1
+        stream.outbox.put(error)
+
     def _internal_id(self, stream: Stream, seq_id: int) -> int:
         internal = stream.internal.get(seq_id)
         if internal is None:
@@ -298,6 +362,7 @@ class DraftBatcher:
 
     def _forget(self, stream: Stream, seq_id: int, batch: dict[int, SequenceUpdate] | None) -> None:
         """Drop a sequence's id; with `batch`, also queue a `finished` so the proposer frees its state."""
+        stream.release(seq_id)
         internal = stream.internal.pop(seq_id, None)
         if internal is None:
             return

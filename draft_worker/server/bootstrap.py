@@ -15,6 +15,7 @@ from outrider.draft_worker.proposer import Proposer
 from outrider.draft_worker.server.auth import ServerTls, TokenInterceptor
 from outrider.draft_worker.server.batcher import DEFAULT_SPEC_CACHE, DraftBatcher, DraftIdentity, ServerStats
 from outrider.draft_worker.server.servicer import DraftServicer
+from outrider.draft_worker.server.streams import DEFAULT_STREAM_LIMITS, StreamLimits
 from outrider.draft_worker.speculation import SpecCacheConfig
 from outrider.proto import Limits
 from outrider.proto import outrider_pb2 as pb
@@ -60,18 +61,21 @@ def serve(
     max_batch: int = DEFAULT_MAX_BATCH,
     max_streams: int = 64,
     speculation_cache: SpecCacheConfig | None = DEFAULT_SPEC_CACHE,
+    stream_limits: StreamLimits = DEFAULT_STREAM_LIMITS,
 ) -> DraftServer:
     """Start serving `proposer` on `address` ("host:port"; port 0 = any free port).
 
     `speculation_cache` None turns pre-drafting off; it is off anyway for proposers that
-    cannot fork their state (see draft_worker.speculation).
+    cannot fork their state (see draft_worker.speculation). `stream_limits` bounds what one
+    target's stream may make the server hold; `max_streams` streams at most are served at
+    once (gRPC answers RESOURCE_EXHAUSTED past them).
     """
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
     budget = proposer.config.budget
     limits = Limits(max_batch, budget.max_nodes, budget.max_depth, budget.top_k, budget.q_width)
-    servicer = DraftServicer(DraftBatcher(proposer, identity, limits, speculation_cache))
+    servicer = DraftServicer(DraftBatcher(proposer, identity, limits, speculation_cache, stream_limits))
     workers = max_streams + 8
     interceptors = [TokenInterceptor(token)] if token else []
     # Every Draft stream holds a pool thread for its lifetime; the rest serve unary calls.

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import grpc
 
-from outrider.draft_worker.server.batcher import DraftBatcher, Stream
+from outrider.draft_worker.server.batcher import DraftBatcher
+from outrider.draft_worker.server.streams import Stream, StreamError
 from outrider.proto import (
     HandshakeMismatchError,
     HandshakeRequest,
@@ -85,13 +86,20 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         )
         reader.start()
         while (response := stream.outbox.get()) is not None:
+            if isinstance(response, StreamError):  # the batcher refused the stream: say why
+                context.abort(response.code, response.details)
             yield response
 
     def _read(self, stream: Stream, requests: Iterator[pb.DraftRequest]) -> None:
         try:
             for message in requests:
-                self.batcher.submit(stream, message)
+                if not self.batcher.submit(stream, message):
+                    break
         except grpc.RpcError:
             pass  # the target went away mid-read; close_stream below frees its sequences
+        except Exception as error:  # a request this server cannot read must cost its stream only
+            log.exception("stream %d: reading a request failed", stream.number)
+            details = f"the draft server could not read a request: {type(error).__name__}: {error}"
+            self.batcher.refuse(stream, StreamError(grpc.StatusCode.INVALID_ARGUMENT, details))
         finally:
             self.batcher.close_stream(stream)
