@@ -190,6 +190,7 @@ class TimedDraftSource(DraftSource):
         self.inner, self.client_counters, self.watcher = inner, client_counters, watcher
         self.collects, self.collect_s = 0, 0.0
         self.validates_trees, self.trusts_q = inner.validates_trees, inner.trusts_q
+        self.overlaps_drafting = inner.overlaps_drafting  # the engine's lanes need to know
 
     @property
     def feature_spec(self):

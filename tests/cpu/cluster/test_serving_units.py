@@ -54,12 +54,14 @@ def test_whose_draft_q_is_trusted_is_the_operators_choice(pool, trusted):
 
 
 @pytest.mark.parametrize("trusted", [True, False])
-def test_the_timed_wrapper_keeps_its_sources_trust(trusted):
+def test_the_timed_wrapper_keeps_its_sources_capabilities(trusted):
     from outrider.cluster.target import TimedDraftSource
 
-    inner = SimpleNamespace(validates_trees=True, trusts_q=trusted, label="draft workers a:1")
+    inner = SimpleNamespace(
+        validates_trees=True, trusts_q=trusted, label="draft workers a:1", overlaps_drafting=True
+    )
     timed = TimedDraftSource(inner)
-    assert timed.trusts_q is trusted and timed.label == "draft workers a:1"
+    assert timed.trusts_q is trusted and timed.label == "draft workers a:1" and timed.overlaps_drafting
 
 
 def test_seed_key_comes_from_its_file_or_fresh(tmp_path):
