@@ -46,26 +46,47 @@ def fuzz(default_examples: int):
     return apply
 
 
+def _update_report(key: str, value: object) -> None:
+    path = os.environ.get("OUTRIDER_FUZZ_REPORT")
+    if not path:
+        return
+    report_path = Path(path)
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    report[key] = value
+    report_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+
+
+def record_measurement(name: str, value: float, unit: str) -> None:
+    """A figure a test measured (e.g. how fast a 10 MB prompt is refused), for the report."""
+    path = os.environ.get("OUTRIDER_FUZZ_REPORT")
+    report = json.loads(Path(path).read_text()) if path and Path(path).is_file() else {}
+    measured = report.get("measurements", {})
+    measured[name] = {"value": round(value, 3), "unit": unit}
+    _update_report("measurements", measured)
+
+
 class Outcomes:
     """Counts of each outcome class for one surface; `save` adds them to OUTRIDER_FUZZ_REPORT."""
 
     def __init__(self, surface: str):
-        self.surface, self.counts, self.started = surface, Counter(), time.monotonic()
+        self.surface, self.counts, self.seconds = surface, Counter(), 0.0
 
-    def add(self, outcome: str) -> None:
+    def add(self, outcome: str, started: float) -> None:
+        """One case ended in `outcome`; `started` is its time.monotonic() at the start."""
         self.counts[outcome] += 1
+        self.seconds += time.monotonic() - started
 
     def save(self) -> None:
-        path = os.environ.get("OUTRIDER_FUZZ_REPORT")
-        if not path or not self.counts:
+        if not self.counts:
             return
-        report_path = Path(path)
-        report = json.loads(report_path.read_text()) if report_path.is_file() else {}
-        report[self.surface] = {
+        surfaces = {}
+        path = os.environ.get("OUTRIDER_FUZZ_REPORT")
+        if path and Path(path).is_file():
+            surfaces = json.loads(Path(path).read_text()).get("surfaces", {})
+        surfaces[self.surface] = {
             "cases": sum(self.counts.values()),
             "outcomes": dict(sorted(self.counts.items())),
-            "examples_per_test": examples(0) or None,
             "seed": os.environ.get("OUTRIDER_FUZZ_SEED", "derandomized"),
-            "wall_s": round(time.monotonic() - self.started, 1),
+            "seconds": round(self.seconds, 1),  # the cases' own time, without setup
         }
-        report_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        _update_report("surfaces", surfaces)

@@ -270,7 +270,7 @@ def test_a_hostile_target_cannot_hurt_the_server_or_other_targets(
     server, channel, proposer, good, outcomes, session
 ):
     requests, ending = session
-    hostile = Target(channel)
+    started, hostile = time.monotonic(), Target(channel)
     if ending == "drop-at-once":
         for request in requests:
             hostile.requests.put(request)
@@ -288,17 +288,18 @@ def test_a_hostile_target_cannot_hurt_the_server_or_other_targets(
     if code in FAULT_CODES:
         details = hostile.error.details()
         assert details and "\n" not in details and "Traceback" not in details, details
-        outcomes.add(f"stream refused: {code.name}")
+        outcome = f"stream refused: {code.name}"
     elif code == grpc.StatusCode.CANCELLED:
         assert ending != "half-close", hostile.error
-        outcomes.add("stream dropped by the target")
+        outcome = "stream dropped by the target"
     else:
         assert code == grpc.StatusCode.OK, (code, hostile.error and hostile.error.details())
-        outcomes.add("stream served to its end")
+        outcome = "stream served to its end"
     good.step()
     # What the hostile stream held is freed: only the good target's sequence remains.
     assert wait_until(lambda: proposer.num_sequences == 1), proposer.num_sequences
     assert rss_mb() < 2048, rss_mb()
+    outcomes.add(outcome, started)
 
 
 # ------------------------------------------------------------------------------ named cases

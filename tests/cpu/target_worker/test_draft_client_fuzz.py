@@ -11,6 +11,8 @@ token, and nothing raises.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from draft_client_testlib import (
     ScriptedDrafter,
@@ -177,17 +179,18 @@ def make_script(script: dict, vocab: int):
 @given(script=SCRIPT)
 def test_a_hostile_drafter_never_changes_greedy_output(runner, prompts, plain, hostile, outcomes, script):
     drafter, source, vocab = hostile
-    drafter.script = make_script(script, vocab)
+    drafter.script, started = make_script(script, vocab), time.monotonic()
     before = source.counters.trees_received, source.counters.trees_invalid
     outputs, stats = generate(runner, prompts, source, max_tokens=MAX_TOKENS)
     assert outputs == plain
     received = source.counters.trees_received - before[0]
     invalid = source.counters.trees_invalid - before[1]
     if stats.spec.num_accepted_tokens:
-        outcomes.add("drafts accepted, output unchanged")
+        outcome = "drafts accepted, output unchanged"
     elif received:
-        outcomes.add("trees verified, none accepted, output unchanged")
+        outcome = "trees verified, none accepted, output unchanged"
     elif invalid:
-        outcomes.add("every tree refused, output unchanged")
+        outcome = "every tree refused, output unchanged"
     else:
-        outcomes.add("no tree in time, output unchanged")
+        outcome = "no tree in time, output unchanged"
+    outcomes.add(outcome, started)
