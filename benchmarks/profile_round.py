@@ -7,7 +7,8 @@ For each method (plain, ngram, draft_model, eagle3, medusa), temperature (0, 1) 
 size (1, 16), the decode rounds of one batch of requests run under cProfile, and each
 phase of `Engine.step` is charged the cumulative time of the functions that make it up:
 
-    forward    ModelRunner.forward: the target model, batch building included
+    forward    ModelRunner.forward called by `Engine.step`: the target model (a draft model's
+               own forward is drafting)
     drafting   the draft source's collect (in-process proposers draft inside it) and submit
     verify     target probabilities (logits processing), random numbers, kernels.verify
     plan       tree checks (`_checked_trees`, trust demotion included) and `plan_round` (packing)
@@ -65,8 +66,20 @@ def phase_shares(stats: pstats.Stats) -> dict[str, float]:
     def total(suffix: str, name: str) -> float:
         return sum(t for (f, n), t in cumulative.items() if n == name and f.endswith(suffix))
 
+    def called_from_step(suffix: str, name: str) -> float:
+        """Cumulative time of `name` in the calls `Engine.step` made itself (a draft model's own
+        runner.forward, called from the drafter, is drafting, not the target's forward)."""
+        out = 0.0
+        for (filename, _, fname), (_, _, _, _, callers) in stats.stats.items():
+            if fname == name and filename.replace("\\", "/").endswith(suffix):
+                out += sum(
+                    c[3] for (cf, _, cn), c in callers.items() if cn == "step" and cf.endswith("engine.py")
+                )
+        return out
+
     step = total("target_worker/engine.py", "step")
     shares = {phase: sum(total(f, n) for f, n in parts) / step for phase, parts in PHASES.items()}
+    shares["forward"] = called_from_step("target_worker/runner.py", "forward") / step
     shares["other"] = max(0.0, 1.0 - sum(shares.values()))
     return shares
 

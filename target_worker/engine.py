@@ -149,6 +149,7 @@ class Engine:
         self.stats = EngineStats()
         self._next_id = 0
         self.seed_key = seed_key
+        self._submit_s = 0.0  # the last step's `_submit_deltas` time, charged to the next round
         if budget_policy not in ("adaptive", "fixed"):
             raise ValueError(f"budget_policy must be 'adaptive' or 'fixed', got {budget_policy!r}")
         adaptive = PolicyConfig(adaptive=budget_policy == "adaptive")
@@ -241,12 +242,17 @@ class Engine:
             self.cache.commit_paths(res.accepted_node_ids, plan.root_rows)
             self.stats.spec.observe(plan.trees.cu_num_draft_tokens, res)
             outputs = self._append_outputs(plan, res, features)
-            self._observe(ready, trees, res, plan, collected - started, time.perf_counter() - collected)
+            # The round's cost outside collect: this far, plus the last round's deltas (the
+            # ones this round's drafting answered), which are sent after the policy learns.
+            round_s = time.perf_counter() - collected + self._submit_s
+            self._observe(ready, trees, res, plan, collected - started, round_s)
         self._fill_prompts(plan, features)
         # 5. Deltas (under the policy's budgets) for the next round's trees, and `finished`.
         finished = [s for s in self.running if s.finished]
         self._release(finished)
+        submitting = time.perf_counter()
         self._submit_deltas(plan.verified, finished)
+        self._submit_s = time.perf_counter() - submitting
         if self.lane_tuner is not None and len(decoding) > 1 and not plan.num_prefill_tokens:
             self.lane_tuner.record(sum(len(o.new_token_ids) for o in outputs), time.perf_counter() - started)
         return outputs
