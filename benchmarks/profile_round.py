@@ -37,15 +37,15 @@ PHASES = {
     "forward": (("target_worker/runner.py", "forward"),),
     "drafting": (("draft_source.py", "collect"), ("draft_source.py", "submit"), ("target.py", "collect")),
     "verify": (
-        ("target_worker/engine.py", "_target_probs"),
-        ("target_worker/engine.py", "_randoms"),
-        ("target_worker/engine.py", "_is_greedy"),
+        ("target_worker/verify_inputs.py", "target_probs"),
+        ("target_worker/verify_inputs.py", "verify_randoms"),
+        ("target_worker/verify_inputs.py", "greedy_rows"),
         ("kernels/verification.py", "verify"),
     ),
     "plan": (("target_worker/engine.py", "_checked_trees"), ("target_worker/round_plan.py", "plan_round")),
     "policy": (
         ("target_worker/spec_policy.py", "budgets"),
-        ("target_worker/spec_policy.py", "observe"),
+        ("target_worker/spec_policy.py", "observe_round"),
         ("target_worker/draft_trust.py", "audit"),
     ),
     "commit": (

@@ -45,9 +45,6 @@ import torch
 from outrider.kernels import (
     SpecDecodeCounters,
     VerifyOutput,
-    VerifyRandoms,
-    draw_verify_randoms,
-    process_logits,
     verify,
 )
 from outrider.proto import (
@@ -62,11 +59,12 @@ from outrider.target_worker.draft_source import DraftSource
 from outrider.target_worker.draft_trust import PROCESS_SEED_KEY, DraftTrust, derive_seed
 from outrider.target_worker.drafter_features import capture_for, gather_features, keep_features, verified_rows
 from outrider.target_worker.kv_cache import CacheFullError
-from outrider.target_worker.lanes import LaneTuner
-from outrider.target_worker.round_plan import RoundPlan, plan_round, root_only_tree, tree_depth
+from outrider.target_worker.lanes import LaneTuner, lane_to_verify
+from outrider.target_worker.round_plan import RoundPlan, plan_round, root_only_tree
 from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import RequestOutput, RequestParams, Sequence
 from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy
+from outrider.target_worker.verify_inputs import greedy_rows, target_probs, verify_randoms
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +210,9 @@ class Engine:
         if self.lane_tuner is not None:
             self.lanes = self.lane_tuner.mode
         decoding = [s for s in self.running if s.decoding]
-        ready = self._lane_to_verify(decoding)
+        ready = decoding
+        if self.lanes == 2:
+            ready, self._turn = lane_to_verify(decoding, self._turn)
         # 1. Draft: trees for the sequences the policy asked to draft; the others, and missing
         #    or bad trees, become root-only.
         asked = [s.seq_id for s in ready if s.asked]
@@ -234,8 +234,9 @@ class Engine:
         outputs = []
         if plan.trees is not None:
             # 3. Verify every tree against p (after each request's temperature/top-k/top-p).
-            p, greedy = self._target_probs(plan, out.logits), self._is_greedy(plan)
-            res = verify(plan.trees, p, greedy, self._randoms(plan))
+            device = self.runner.device
+            p, greedy = target_probs(plan, out.logits, device), greedy_rows(plan, device)
+            res = verify(plan.trees, p, greedy, verify_randoms(plan, self.vocab_size, device))
             if self.trust is not None:
                 self.trust.audit(plan.trees, p, greedy)  # trusted sampled trees: is q honest?
             # 4. Commit: the accepted paths' K/V move next to their roots; tokens are appended.
@@ -244,8 +245,9 @@ class Engine:
             outputs = self._append_outputs(plan, res, features)
             # The round's cost outside collect: this far, plus the last round's deltas (the
             # ones this round's drafting answered), which are sent after the policy learns.
-            round_s = time.perf_counter() - collected + self._submit_s
-            self._observe(ready, trees, res, plan, collected - started, round_s)
+            if self.policy is not None:
+                round_s = time.perf_counter() - collected + self._submit_s
+                self.policy.observe_round(ready, trees, res, plan, collected - started, round_s)
         self._fill_prompts(plan, features)
         # 5. Deltas (under the policy's budgets) for the next round's trees, and `finished`.
         finished = [s for s in self.running if s.finished]
@@ -277,23 +279,6 @@ class Engine:
                     if output.finished:
                         done[output.request_id] = output
         return [Completion(tokens[i], done[i].finish_reason, done[i].stop_reason, done[i].text) for i in ids]
-
-    def _lane_to_verify(self, decoding: list[Sequence]) -> list[Sequence]:
-        """The decoding sequences this step verifies: all of them, or the lane whose turn it is."""
-        if self.lanes == 1:
-            return decoding
-        lanes = [[s for s in decoding if s.lane == lane] for lane in (0, 1)]
-        while abs(len(lanes[0]) - len(lanes[1])) > 1:  # sequences ended unevenly: even the lanes out
-            big = int(len(lanes[1]) > len(lanes[0]))
-            moved = lanes[big].pop()  # safe at any time: its tree is awaited by round, not by lane
-            moved.lane = 1 - big
-            lanes[1 - big].append(moved)
-        turn = lanes[self._turn]
-        if not turn:  # a single decoding sequence: it goes every step
-            self._turn = 1 - self._turn
-            turn = decoding
-        self._turn = 1 - self._turn
-        return turn
 
     # ---- admission -----------------------------------------------------------------------
 
@@ -389,28 +374,6 @@ class Engine:
         left = sum(s.num_prompt - s.num_cached for s in self.running if not s.decoding)
         return min(left, self.max_prefill_tokens)
 
-    def _observe(
-        self,
-        ready: list[Sequence],
-        trees: list[CandidateTree],
-        res: VerifyOutput,
-        plan: RoundPlan,
-        draft_wait_s: float,
-        round_s: float,
-    ) -> None:
-        """What this round's drafts earned and cost, for the policy."""
-        if self.policy is None:
-            return
-        accepted, output = res.num_accepted.tolist(), res.num_output_tokens.tolist()
-        budgets = [s.budget.max_depth if s.budget is not None else 0 for s in ready]
-        outcomes = [
-            (seq.seq_id, budgets[b], tree_depth(tree), accepted[b], output[b])
-            for b, (seq, tree) in enumerate(zip(ready, trees, strict=True))
-        ]
-        deepest = max(budgets, default=0)
-        tokens = int(plan.trees.cu_num_draft_tokens[-1]) + plan.num_prefill_tokens
-        self.policy.observe(outcomes, tokens, round_s, deepest, draft_wait_s)
-
     def _delta(
         self, seq: Sequence, budget: TreeBudget, features: torch.Tensor | None, finished: bool
     ) -> SequenceUpdate:
@@ -428,45 +391,6 @@ class Engine:
         return update
 
     # ---- verification and commit ---------------------------------------------------------
-
-    def _target_probs(self, plan: RoundPlan, logits: torch.Tensor) -> torch.Tensor:
-        """p for every tree node: [total_nodes, vocab], each node under its request's params."""
-        cu = plan.trees.cu_num_draft_tokens
-        params = [s.params for s in plan.verified]
-        if self.runner.device.type == "cpu" and all(q.temperature == 0 for q in params):
-            # All greedy: verification reads only each node's argmax, which the raw logits
-            # already have (the CPU verifier's greedy scan); skip the softmax over the vocabulary.
-            return logits[: int(cu[-1])]
-        first = params[0]
-        if first.temperature > 0 and all(
-            (q.temperature, q.top_k, q.top_p, q.min_p) == (first.temperature, 0, 1.0, 0.0) for q in params
-        ):  # one temperature, no truncation (the common case): a softmax, nothing per row
-            return torch.softmax(logits[: int(cu[-1])].float() / first.temperature, dim=-1)
-        # [B, 4]: temperature, top_k, top_p, min_p per sequence, then per node.
-        table = torch.tensor([[q.temperature, q.top_k, q.top_p, q.min_p] for q in params], device=cu.device)
-        if plan.trees.max_num_nodes > 1:
-            table = table.repeat_interleave(cu[1:] - cu[:-1], dim=0)
-        temperature, top_k, top_p, min_p = table.unbind(1)
-        return process_logits(
-            logits[: table.shape[0]],
-            temperature,
-            top_k.long() if any(q.top_k for q in params) else None,
-            top_p if any(q.top_p < 1 for q in params) else None,
-            min_p if any(q.min_p for q in params) else None,
-        )
-
-    def _is_greedy(self, plan: RoundPlan) -> torch.Tensor:
-        greedy = [s.params.temperature == 0 for s in plan.verified]
-        return torch.tensor(greedy, dtype=torch.bool, device=self.runner.device)
-
-    def _randoms(self, plan: RoundPlan) -> VerifyRandoms | None:
-        """Per-request generators: a seeded request draws the same numbers in any batch."""
-        if all(s.params.temperature == 0 for s in plan.verified):
-            return None
-        generators = [s.generator for s in plan.verified]
-        return draw_verify_randoms(
-            plan.trees.cu_num_draft_tokens, self.vocab_size, generators, self.runner.device
-        )
 
     def _append_outputs(
         self, plan: RoundPlan, res: VerifyOutput, features: torch.Tensor | None

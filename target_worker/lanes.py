@@ -20,6 +20,11 @@ are not counted.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from outrider.target_worker.sequence import Sequence
+
 
 class LaneTuner:
     """Which lane count (1 or 2) the next step uses; fed each counted step's tokens and time."""
@@ -64,3 +69,20 @@ class LaneTuner:
     def _set(self, mode: int) -> None:
         self.switches += mode != self.mode
         self.mode = mode
+
+
+def lane_to_verify(decoding: list[Sequence], turn: int) -> tuple[list[Sequence], int]:
+    """With two lanes: the decoding sequences this step verifies (lane `turn`, or all of them
+    when that lane is empty), and the lane whose turn is next. Lanes left uneven by finished
+    sequences are evened out first."""
+    lanes = [[s for s in decoding if s.lane == lane] for lane in (0, 1)]
+    while abs(len(lanes[0]) - len(lanes[1])) > 1:  # sequences ended unevenly: even the lanes out
+        big = int(len(lanes[1]) > len(lanes[0]))
+        moved = lanes[big].pop()  # safe at any time: its tree is awaited by round, not by lane
+        moved.lane = 1 - big
+        lanes[1 - big].append(moved)
+    chosen = lanes[turn]
+    if not chosen:  # a single decoding sequence: it goes every step
+        turn = 1 - turn
+        chosen = decoding
+    return chosen, 1 - turn

@@ -32,10 +32,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from outrider.proto import TreeBudget
+from outrider.proto import CandidateTree, TreeBudget
+from outrider.target_worker.round_plan import RoundPlan, tree_depth
+
+if TYPE_CHECKING:
+    from outrider.kernels import VerifyOutput
+    from outrider.target_worker.sequence import Sequence
 
 NO_DRAFT = TreeBudget(max_nodes=1, max_depth=0, top_k=0)
 
@@ -178,7 +184,7 @@ class SpeculationPolicy:
         self.rounds += 1
         config = self.config
         drafted = 0
-        for seq_id, budget_depth, tree_depth, accepted, committed in outcomes:
+        for seq_id, budget_depth, depth, accepted, committed in outcomes:
             predicted = self._predicted.pop(seq_id, None)
             if predicted is not None:
                 self.stats.predicted_tokens += predicted
@@ -192,15 +198,34 @@ class SpeculationPolicy:
                 self._next_probe = min(self._next_probe, self.rounds + 1)
             # Asked for a draft and given none (nothing matched): for the policy, as good as a
             # first draft token lost.
-            tree_depth = max(tree_depth, 1)
-            self.deepest_seen = max(self.deepest_seen, tree_depth)
+            depth = max(depth, 1)
+            self.deepest_seen = max(self.deepest_seen, depth)
             self._gain_rows.pop(seq_id, None)
             own = self.seqs.setdefault(seq_id, _Acceptance.empty(len(self.glob.tries)))
-            own.add(tree_depth, accepted, config.sequence_decay)
-            self.glob.add(tree_depth, accepted, config.global_decay)
+            own.add(depth, accepted, config.sequence_decay)
+            self.glob.add(depth, accepted, config.global_decay)
         self.verify_cost.add((forward_tokens, drafted), round_s)
         if deepest_budget > 0:  # with no budget anywhere the engine does not collect at all
             self.draft_cost.add((deepest_budget,), draft_wait_s)
+
+    def observe_round(
+        self,
+        verified: Seq[Sequence],  # the decoding sequences verified this round, in tree order
+        trees: Seq[CandidateTree],  # their trees, as verified
+        result: VerifyOutput,
+        plan: RoundPlan,
+        draft_wait_s: float,
+        round_s: float,
+    ) -> None:
+        """`observe`, from the engine's round: what each sequence's draft earned, what it cost."""
+        accepted, output = result.num_accepted.tolist(), result.num_output_tokens.tolist()
+        budgets = [s.budget.max_depth if s.budget is not None else 0 for s in verified]
+        outcomes = [
+            (seq.seq_id, budgets[b], tree_depth(tree), accepted[b], output[b])
+            for b, (seq, tree) in enumerate(zip(verified, trees, strict=True))
+        ]
+        tokens = int(plan.trees.cu_num_draft_tokens[-1]) + plan.num_prefill_tokens
+        self.observe(outcomes, tokens, round_s, max(budgets, default=0), draft_wait_s)
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)

@@ -219,7 +219,7 @@ class Connections:
         except grpc.RpcError as error:
             endpoint.last_error = error
             if not self._closed.is_set():
-                log.warning("draft worker %s: stream lost (%s)", endpoint.address, error.code())
+                log.warning("draft worker %s: stream lost (%s: %s)", endpoint.address, error.code(), error.details())
         finally:
             with self._cond:
                 endpoint.healthy = False

@@ -254,21 +254,19 @@ def test_the_lane_tuner_keeps_the_faster_mode_and_checks_the_other_now_and_then(
         LaneTuner(trial_steps=0)
 
 
-def test_lanes_even_out_when_sequences_end_unevenly(runner):
+def test_lanes_even_out_when_sequences_end_unevenly():
     """Lane sizes drift as sequences end; each step first moves sequences so the two lanes
     differ by at most one, or the lane left alone would wait for its drafts every step."""
+    from outrider.target_worker.lanes import lane_to_verify
     from outrider.target_worker.sequence import Sequence
 
-    engine = Engine(
-        runner, OverlappingSource(proposer_for("ngram", runner.model.vocab_size)), eos_token_id=None
-    )
     seqs = [
         Sequence(i, RequestParams(), [1, 2], 1, None, RequestParams().sampling) for i in range(5)
     ]  # all in lane 0
-    first = engine._lane_to_verify(seqs)
+    first, turn = lane_to_verify(seqs, 0)
     sizes = sorted(sum(s.lane == lane for s in seqs) for lane in (0, 1))
-    assert sizes == [2, 3]
-    second = engine._lane_to_verify(seqs)
+    assert sizes == [2, 3] and turn == 1
+    second, turn = lane_to_verify(seqs, turn)
     assert sorted(s.seq_id for s in first + second) == list(range(5))  # the lanes take turns
 
 
