@@ -68,10 +68,13 @@ def phase_shares(stats: pstats.Stats) -> dict[str, float]:
 
     def called_from_step(suffix: str, name: str) -> float:
         """Cumulative time of `name` in the calls `Engine.step` made itself (a draft model's own
-        runner.forward, called from the drafter, is drafting, not the target's forward)."""
+        runner.forward, called from the drafter, is drafting, not the target's forward).
+        `ModelRunner.forward` runs under `torch.inference_mode()`, whose wrapper is what
+        `step` calls (the only such function `step` calls)."""
         out = 0.0
         for (filename, _, fname), (_, _, _, _, callers) in stats.stats.items():
-            if fname == name and filename.replace("\\", "/").endswith(suffix):
+            path = filename.replace("\\", "/")
+            if (fname == name and path.endswith(suffix)) or fname == "decorate_context":
                 out += sum(
                     c[3] for (cf, _, cn), c in callers.items() if cn == "step" and cf.endswith("engine.py")
                 )

@@ -15,11 +15,9 @@ holds its own stream on the same server. For every case:
 
 from __future__ import annotations
 
-import queue
 import resource
 import threading
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -27,6 +25,7 @@ import torch
 from fuzz_testlib import Outcomes, fuzz
 from hypothesis import given
 from hypothesis import strategies as st
+from server_testlib import Stream as Target
 
 from outrider.draft_worker import build_proposer
 from outrider.draft_worker.server import DraftIdentity, StreamLimits, serve
@@ -68,34 +67,6 @@ class FeatureNgram:
 
     def propose(self, updates):
         return self.inner.propose(updates)
-
-
-class Target:
-    """One raw Draft stream: `send` requests, trees arrive in `received`, `ended` when it ends."""
-
-    def __init__(self, channel: grpc.Channel):
-        self.requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.call = pb_grpc.DraftServiceStub(channel).Draft(self._iterate())
-        self.received: queue.SimpleQueue = queue.SimpleQueue()
-        self.error: grpc.RpcError | None = None
-        self.ended = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _iterate(self) -> Iterator[pb.DraftRequest]:
-        while (item := self.requests.get()) is not None:
-            yield item
-
-    def _read(self) -> None:
-        try:
-            for response in self.call:
-                for tree in response.trees:
-                    self.received.put(tree)
-        except grpc.RpcError as error:
-            self.error = error
-        self.ended.set()
-
-    def send(self, *updates: pb.SequenceUpdate) -> None:
-        self.requests.put(pb.DraftRequest(updates=list(updates)))
 
 
 def update(seq_id: int, tokens: list[int], round: int = 0, **kw) -> pb.SequenceUpdate:
