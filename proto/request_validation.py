@@ -73,6 +73,7 @@ def _budget_problem(update: SequenceUpdate, limits: Limits) -> str | None:
         ("max_nodes", 1, limits.max_nodes),
         ("max_depth", 0, limits.max_depth),
         ("top_k", 0, limits.max_top_k),
+        ("q_width", 0, limits.max_q_width),
     ):
         value = getattr(budget, name)
         if not least <= value <= most:

@@ -72,6 +72,7 @@ def test_rejects_wrong_token_dtype() -> None:
         (TreeBudget(max_nodes=0, max_depth=4, top_k=4), r"budget.max_nodes = 0 is outside \[1, 16\]"),
         (TreeBudget(max_nodes=16, max_depth=5, top_k=4), r"budget.max_depth = 5 is outside \[0, 4\]"),
         (TreeBudget(max_nodes=16, max_depth=4, top_k=5), r"budget.top_k = 5 is outside \[0, 4\]"),
+        (TreeBudget(16, 4, 4, q_width=5), r"budget.q_width = 5 is outside \[0, 4\]"),
     ],
 )
 def test_rejects_budget_past_the_negotiated_limits(budget: TreeBudget, match: str) -> None:
