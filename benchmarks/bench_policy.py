@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from outrider.benchmarks.report import add_run_arguments
+
 FIXED_KS = (1, 2, 4, 8)
 CEILING_DEPTH = 8
 
@@ -149,31 +151,23 @@ def measure(runner, prompts, method, spec, temperature, args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="tiny", help="demo family (default: %(default)s)")
     parser.add_argument("--methods", default="ngram,draft_model,replay-0.3,replay-0.5,replay-0.7,replay-0.9")
     parser.add_argument("--temperatures", default="0,1", type=lambda s: [float(t) for t in s.split(",")])
     parser.add_argument("--batches", default="1,16", type=lambda s: [int(b) for b in s.split(",")])
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--results-dir", type=Path, default=None, help="default: benchmarks/results")
+    add_run_arguments(parser, max_tokens=64, prompt_tokens=48)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from transformers import AutoTokenizer
-
-    from outrider.benchmarks.prompts import load_prompts
+    from outrider.benchmarks.prompts import mid_prompt_ids
     from outrider.benchmarks.replay_drafter import registered
     from outrider.benchmarks.report import write_report
     from outrider.demo.family import ensure_demo_family
     from outrider.target_worker.runner import ModelRunner
 
     family = ensure_demo_family(args.size)
-    tokenizer = AutoTokenizer.from_pretrained(family.tokenizer_dir)
     most = max(args.batches)
-    prompts = [
-        p.token_ids for p in load_prompts("mid", tokenizer, count=most, prompt_tokens=args.prompt_tokens)
-    ]
+    prompts = mid_prompt_ids(family.tokenizer_dir, most, args.prompt_tokens)
     context = args.prompt_tokens + args.max_tokens + 2 * CEILING_DEPTH + 16
     runner = ModelRunner.from_pretrained(
         family.target_dir, max_model_len=context, kv_cache_rows=most * context
@@ -205,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         title="Speculation policy vs fixed K",
         notes=notes,
         columns=list(dict.fromkeys(key for row in rows for key in row)),
-        **({"results_dir": args.results_dir} if args.results_dir else {}),
+        results_dir=args.results_dir,
     )
     print(f"wrote {json_path}")
     return 0

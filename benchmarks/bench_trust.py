@@ -20,9 +20,10 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from outrider.benchmarks.report import add_run_arguments
 
 METHOD_OPTIONS = {
     "draft_model": {"num_speculative_tokens": 4},
@@ -128,20 +129,15 @@ def measure_method(runner, prompts, method, family, handshake, args) -> list[dic
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="tiny", help="demo family (default: %(default)s)")
     parser.add_argument("--methods", default="draft_model,eagle3,mtp", help="comma-separated proposers")
     parser.add_argument("--temperatures", default="1.0,0.7", type=lambda s: [float(t) for t in s.split(",")])
     parser.add_argument("--batch", type=int, default=4, help="requests decoded together")
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--results-dir", type=Path, default=None, help="default: benchmarks/results")
+    add_run_arguments(parser, max_tokens=48, prompt_tokens=64)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from transformers import AutoTokenizer
-
-    from outrider.benchmarks.prompts import load_prompts
+    from outrider.benchmarks.prompts import mid_prompt_ids
     from outrider.benchmarks.report import write_report
     from outrider.demo.family import ensure_demo_family
     from outrider.proto import Limits
@@ -155,11 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         model_id=f"demo-{args.size}-target",
         limits=Limits(256, 64, 8, 8),
     )
-    tokenizer = AutoTokenizer.from_pretrained(family.tokenizer_dir)
-    prompts = [
-        p.token_ids
-        for p in load_prompts("mid", tokenizer, count=args.batch, prompt_tokens=args.prompt_tokens)
-    ]
+    prompts = mid_prompt_ids(family.tokenizer_dir, args.batch, args.prompt_tokens)
     runner = ModelRunner.from_pretrained(
         family.target_dir, max_model_len=1024, kv_cache_rows=args.batch * 512
     )
@@ -184,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         title="Trusted q vs deterministic verification",
         notes=notes,
         columns=list(dict.fromkeys(key for row in rows for key in row)),
-        **({"results_dir": args.results_dir} if args.results_dir else {}),
+        results_dir=args.results_dir,
     )
     print(f"wrote {json_path}")
     return 0

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from outrider.benchmarks.report import add_run_arguments
+
 PHASES = {
     "forward": (("target_worker/runner.py", "forward"),),
     "drafting": (("draft_source.py", "collect"), ("draft_source.py", "submit"), ("target.py", "collect")),
@@ -151,19 +153,14 @@ def measure(runner, prompts, config, temperature, max_tokens) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="tiny", help="demo family (default: %(default)s)")
     parser.add_argument("--methods", default="plain,ngram,draft_model,eagle3,medusa")
     parser.add_argument("--batches", default="1,16", type=lambda s: [int(b) for b in s.split(",")])
     parser.add_argument("--temperatures", default="0,1", type=lambda s: [float(t) for t in s.split(",")])
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--prompt-tokens", type=int, default=48)
-    parser.add_argument("--results-dir", type=Path, default=None, help="default: benchmarks/results")
+    add_run_arguments(parser, max_tokens=48, prompt_tokens=48)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from transformers import AutoTokenizer
-
-    from outrider.benchmarks.prompts import load_prompts
+    from outrider.benchmarks.prompts import mid_prompt_ids
     from outrider.benchmarks.report import write_report
     from outrider.demo.family import ensure_demo_family
     from outrider.draft_worker.training.demo_heads import demo_head_dir
@@ -177,11 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         if m in methods
     }
     table = {k: v for k, v in configs(family, heads).items() if k in methods}
-    tokenizer = AutoTokenizer.from_pretrained(family.tokenizer_dir)
     most = max(args.batches)
-    prompts = [
-        p.token_ids for p in load_prompts("mid", tokenizer, count=most, prompt_tokens=args.prompt_tokens)
-    ]
+    prompts = mid_prompt_ids(family.tokenizer_dir, most, args.prompt_tokens)
     context = args.prompt_tokens + args.max_tokens + 16
     runner = ModelRunner.from_pretrained(
         family.target_dir, max_model_len=context, kv_cache_rows=most * context
@@ -208,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         title="Where a round's time goes",
         notes=notes,
         columns=list(dict.fromkeys(key for row in rows for key in row)),
-        **({"results_dir": args.results_dir} if args.results_dir else {}),
+        results_dir=args.results_dir,
     )
     print(f"wrote {json_path}")
     return 0

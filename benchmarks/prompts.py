@@ -56,3 +56,11 @@ def load_prompts(
     raise ValueError(
         f"only {len(prompts)} held-out files are long enough for {count} prompts of {prompt_tokens} tokens"
     )
+
+
+def mid_prompt_ids(tokenizer_dir, count: int, prompt_tokens: int) -> list[list[int]]:
+    """Token ids of `count` held-out `mid` prompts for the tokenizer in `tokenizer_dir`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return [p.token_ids for p in load_prompts("mid", tokenizer, count=count, prompt_tokens=prompt_tokens)]

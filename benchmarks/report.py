@@ -92,3 +92,11 @@ def write_report(
     md_path = results_dir / f"{name}.md"
     md_path.write_text("\n".join(line for line in md if line is not None) + "\n")
     return json_path, md_path
+
+
+def add_run_arguments(parser, *, max_tokens: int, prompt_tokens: int) -> None:
+    """The arguments every decoding benchmark takes: family, lengths, where the report goes."""
+    parser.add_argument("--size", default="tiny", help="demo family (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--prompt-tokens", type=int, default=prompt_tokens)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="default: benchmarks/results")
