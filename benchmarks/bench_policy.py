@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from outrider.benchmarks.report import add_run_arguments
+from outrider.benchmarks.report import add_run_arguments, write_run_report
 
 FIXED_KS = (1, 2, 4, 8)
 CEILING_DEPTH = 8
@@ -161,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from outrider.benchmarks.prompts import mid_prompt_ids
     from outrider.benchmarks.replay_drafter import registered
-    from outrider.benchmarks.report import write_report
     from outrider.demo.family import ensure_demo_family
     from outrider.target_worker.runner import ModelRunner
 
@@ -192,16 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "probability 1 - a, at T = 0; `ideal_speedup` = tau(K) x verify(B) / verify(B (K + 1)) from the "
         "verify-cost line the adaptive engine fitted in this run (for `adaptive`, the best fixed K's ideal)."
     )
-    json_path, _ = write_report(
-        f"policy_{args.size}",
-        rows,
-        {"size": args.size, "argv": sys.argv[1:]},
-        title="Speculation policy vs fixed K",
-        notes=notes,
-        columns=list(dict.fromkeys(key for row in rows for key in row)),
-        results_dir=args.results_dir,
-    )
-    print(f"wrote {json_path}")
+    write_run_report("policy", rows, args, title="Speculation policy vs fixed K", notes=notes)
     return 0
 
 

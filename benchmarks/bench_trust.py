@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from outrider.benchmarks.report import add_run_arguments
+from outrider.benchmarks.report import add_run_arguments, write_run_report
 
 METHOD_OPTIONS = {
     "draft_model": {"num_speculative_tokens": 4},
@@ -138,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     from outrider.benchmarks.prompts import mid_prompt_ids
-    from outrider.benchmarks.report import write_report
     from outrider.demo.family import ensure_demo_family
     from outrider.proto import Limits
     from outrider.target_worker.draft_client import target_handshake
@@ -169,16 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "reached position k + 1 (first repeat). `audit_revoked`: whether the audit ever revoked trust. "
         "Method options: " + "; ".join(f"{m}: {METHOD_OPTIONS[m]}" for m in args.methods.split(","))
     )
-    json_path, _ = write_report(
-        f"trust_{args.size}",
-        rows,
-        {"size": args.size, "argv": sys.argv[1:]},
-        title="Trusted q vs deterministic verification",
-        notes=notes,
-        columns=list(dict.fromkeys(key for row in rows for key in row)),
-        results_dir=args.results_dir,
-    )
-    print(f"wrote {json_path}")
+    write_run_report("trust", rows, args, title="Trusted q vs deterministic verification", notes=notes)
     return 0
 
 

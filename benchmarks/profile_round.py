@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from outrider.benchmarks.report import add_run_arguments
+from outrider.benchmarks.report import add_run_arguments, write_run_report
 
 PHASES = {
     "forward": (("target_worker/runner.py", "forward"),),
@@ -161,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     from outrider.benchmarks.prompts import mid_prompt_ids
-    from outrider.benchmarks.report import write_report
     from outrider.demo.family import ensure_demo_family
     from outrider.draft_worker.training.demo_heads import demo_head_dir
     from outrider.target_worker.runner import ModelRunner
@@ -195,16 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "`*_share` columns are each phase's cumulative time under cProfile as a share of `Engine.step`'s "
         "(phases in the module docstring of benchmarks/profile_round.py); they add up to 1."
     )
-    json_path, _ = write_report(
-        f"profile_round_{args.size}",
-        rows,
-        {"size": args.size, "argv": sys.argv[1:]},
-        title="Where a round's time goes",
-        notes=notes,
-        columns=list(dict.fromkeys(key for row in rows for key in row)),
-        results_dir=args.results_dir,
-    )
-    print(f"wrote {json_path}")
+    write_run_report("profile_round", rows, args, title="Where a round's time goes", notes=notes)
     return 0
 
 

@@ -100,3 +100,21 @@ def add_run_arguments(parser, *, max_tokens: int, prompt_tokens: int) -> None:
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
     parser.add_argument("--prompt-tokens", type=int, default=prompt_tokens)
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="default: benchmarks/results")
+
+
+def write_run_report(name: str, rows: list[dict], args, *, title: str, notes: str) -> Path:
+    """`write_report` for a benchmark run with `add_run_arguments`: `<name>_<size>`, the argv
+    in `meta`, every row key a column; prints where it went."""
+    import sys
+
+    json_path, _ = write_report(
+        f"{name}_{args.size}",
+        rows,
+        {"size": args.size, "argv": sys.argv[1:]},
+        title=title,
+        notes=notes,
+        columns=list(dict.fromkeys(key for row in rows for key in row)),
+        results_dir=args.results_dir,
+    )
+    print(f"wrote {json_path}")
+    return json_path
