@@ -167,6 +167,16 @@ def stop_server(process: subprocess.Popen) -> dict:
     return json.loads(lines[-1]) if lines else {}
 
 
+def demo_handshake(family, size: str):
+    """The handshake a target on the demo family sends its draft servers in these benchmarks."""
+    from outrider.proto import Limits
+    from outrider.target_worker.draft_client import target_handshake
+
+    return target_handshake(
+        family.target_dir, family.tokenizer_dir, model_id=f"demo-{size}-target", limits=Limits(256, 64, 8, 8)
+    )
+
+
 def round_trip(family, handshake, batch: int, iterations: int) -> dict:
     from outrider.proto import SamplingParams, SequenceUpdate, TreeBudget
     from outrider.target_worker.draft_client import DraftClientConfig, RemoteDraftSource
@@ -352,17 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     from outrider.benchmarks.prompts import load_prompts
     from outrider.benchmarks.report import write_report
     from outrider.demo.family import ensure_demo_family
-    from outrider.proto import Limits
-    from outrider.target_worker.draft_client import target_handshake
     from outrider.target_worker.runner import ModelRunner
 
     family = ensure_demo_family(args.size)
-    handshake = target_handshake(
-        family.target_dir,
-        family.tokenizer_dir,
-        model_id=f"demo-{args.size}-target",
-        limits=Limits(256, 64, 8, 8),
-    )
+    handshake = demo_handshake(family, args.size)
     rows = [core_contention(), *(round_trip(family, handshake, batch, args.iterations) for batch in (1, 16))]
 
     tokenizer = AutoTokenizer.from_pretrained(family.tokenizer_dir)

@@ -137,19 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
+    from outrider.benchmarks.bench_disagg import demo_handshake
     from outrider.benchmarks.prompts import mid_prompt_ids
     from outrider.demo.family import ensure_demo_family
-    from outrider.proto import Limits
-    from outrider.target_worker.draft_client import target_handshake
     from outrider.target_worker.runner import ModelRunner
 
     family = ensure_demo_family(args.size)
-    handshake = target_handshake(
-        family.target_dir,
-        family.tokenizer_dir,
-        model_id=f"demo-{args.size}-target",
-        limits=Limits(256, 64, 8, 8),
-    )
+    handshake = demo_handshake(family, args.size)
     prompts = mid_prompt_ids(family.tokenizer_dir, args.batch, args.prompt_tokens)
     runner = ModelRunner.from_pretrained(
         family.target_dir, max_model_len=1024, kv_cache_rows=args.batch * 512
