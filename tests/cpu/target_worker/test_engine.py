@@ -309,7 +309,7 @@ def test_features_are_the_hidden_states_that_predicted_each_token(runner, prompt
     through prefill chunks, decodes and accepted tree paths alike."""
     layers = (0, 1)
     spec = FeatureSpec(layer_ids=layers, hidden_size=runner.model.hidden_size, dtype="float32")
-    limits = Limits(max_batch=16, max_nodes=64, max_depth=16, max_top_k=16)
+    limits = Limits(max_batch=16, max_nodes=64, max_depth=16, max_top_k=16, max_q_width=64)
     updates: dict[int, list[SequenceUpdate]] = {}
 
     ngram = proposer_for("ngram", runner.model.vocab_size)
