@@ -13,7 +13,11 @@ The checkpoint is random (bf16 weights written straight to safetensors, the Hugg
 Llama key layout) with the real 8B dimensions (H 4096, 32 heads, 8 KV heads, intermediate
 14336, vocabulary 128256) and fewer layers; per-layer costs scale with depth, the LM head
 does not. Each sequence has a `--context`-token prompt cached first; every timed forward is
-synchronised. Writes benchmarks/results/gpu_verify_cost.{json,md}.
+synchronised. The cache is paged as the engine pages it (block tables from `BlockManager`,
+16-slot blocks), so attention runs the paged Triton kernel. A decode row also reports its
+share of the memory-bandwidth bound: (weights + the K/V it reads) / `--bandwidth-tbs`
+(default 4.8 TB/s, the H200's datasheet figure) over the measured time.
+Writes benchmarks/results/gpu_verify_cost.{json,md}.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ import torch
 from outrider.benchmarks.bench_target import random_tree
 from outrider.benchmarks.report import DecodeRow, write_report
 from outrider.target_worker.batch import SequenceChunk, build_forward_batch
+from outrider.target_worker.block_manager import BlockManager
 from outrider.target_worker.runner import ModelRunner
+
+BLOCK_SIZE = 16  # the engine's default
 
 LLAMA_8B = dict(
     hidden_size=4096,
@@ -93,6 +100,12 @@ def timed_ms(runner: ModelRunner, batch, steps: int) -> float:
     return 1e3 * statistics.median(samples)
 
 
+def bound_ms(runner: ModelRunner, weights: int, batch_size: int, context: int, bandwidth_tbs: float) -> float:
+    """The least time a decode step can take: every weight byte and each sequence's K/V read once."""
+    kv = batch_size * context * runner.cache.spec.bytes_per_row()
+    return (weights + kv) / (bandwidth_tbs * 1e12) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m outrider.benchmarks.gpu_verify_cost", description=__doc__.split("\n")[0]
@@ -103,6 +116,7 @@ def main() -> None:
     parser.add_argument("--trees", default="1,4,8,16,32,64")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bandwidth-tbs", type=float, default=4.8, help="memory bandwidth for the bound")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_verify_cost needs a CUDA device")
@@ -111,24 +125,33 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         write_checkpoint(Path(tmp), args.layers, "cuda")
+        weights = sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors"))
         rows_needed = max(batches) * (args.context + max(trees))
         runner = ModelRunner.from_pretrained(
             tmp, max_model_len=args.context + max(trees), kv_cache_rows=rows_needed, device="cuda"
         )
         print(f"checkpoint written and loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     gen = torch.Generator().manual_seed(0)
-    starts = []
+    blocks = BlockManager(runner.cache.total_rows // BLOCK_SIZE, BLOCK_SIZE, prefix_caching=False)
+    tables = []
     for b in range(max(batches)):
-        start = runner.cache.allocate(b, args.context + max(trees))
         prompt = torch.randint(0, LLAMA_8B["vocab_size"], (args.context,), generator=gen)
-        runner.forward(build_forward_batch([SequenceChunk(start, 0, prompt)], device=runner.device))
-        starts.append(start)
+        blocks.allocate(b, prompt.tolist(), args.context + max(trees))
+        tables.append(blocks.tables[b])
+        chunk = SequenceChunk(-1, 0, prompt, blocks=tables[b], block_size=BLOCK_SIZE)
+        runner.forward(build_forward_batch([chunk], device=runner.device))
     prepared = {}
     for batch_size in batches:
         for nodes in trees:
             chunks = [
-                SequenceChunk(s, args.context, *random_tree(nodes, LLAMA_8B["vocab_size"], gen))
-                for s in starts[:batch_size]
+                SequenceChunk(
+                    -1,
+                    args.context,
+                    *random_tree(nodes, LLAMA_8B["vocab_size"], gen),
+                    blocks=t,
+                    block_size=BLOCK_SIZE,
+                )
+                for t in tables[:batch_size]
             ]
             prepared[batch_size, nodes] = build_forward_batch(chunks, device=runner.device)
     for batch in prepared.values():
@@ -154,6 +177,12 @@ def main() -> None:
                 "tree_nodes": nodes,
                 "ms": statistics.median(values),
                 "relative_to_decode": statistics.median(relative[batch_size, nodes]),
+                "bandwidth_bound_share": (
+                    bound_ms(runner, weights, batch_size, args.context, args.bandwidth_tbs)
+                    / statistics.median(values)
+                    if nodes == 1
+                    else None
+                ),
             },
         )
         rows.append(row.to_dict())
@@ -177,7 +206,14 @@ def main() -> None:
             "one runner forward of an n-node tree per sequence after the cached context, median ms, "
             "and its ratio to a 1-token decode of the same batch in the same repeat."
         ),
-        columns=["batch_size", "tree_nodes", "ms", "relative_to_decode", "tokens_per_s"],
+        columns=[
+            "batch_size",
+            "tree_nodes",
+            "ms",
+            "relative_to_decode",
+            "bandwidth_bound_share",
+            "tokens_per_s",
+        ],
     )
 
 

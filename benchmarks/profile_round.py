@@ -44,14 +44,19 @@ PHASES = {
         ("target_worker/verify_inputs.py", "greedy_rows"),
         ("kernels/verification.py", "verify"),
     ),
-    "plan": (("target_worker/engine.py", "_checked_trees"), ("target_worker/round_plan.py", "plan_round")),
+    "plan": (
+        ("target_worker/engine.py", "_checked_trees"),
+        ("target_worker/round_plan.py", "plan_round"),
+        ("target_worker/kv_scheduler.py", "reserve"),
+    ),
     "policy": (
         ("target_worker/spec_policy.py", "budgets"),
         ("target_worker/spec_policy.py", "observe_round"),
         ("target_worker/draft_trust.py", "audit"),
     ),
     "commit": (
-        ("target_worker/kv_cache.py", "commit_paths"),
+        ("target_worker/kv_cache.py", "compact"),
+        ("target_worker/kv_scheduler.py", "settle"),
         ("target_worker/engine.py", "_append_outputs"),
         ("kernels/spec_metrics.py", "observe"),
     ),

@@ -92,7 +92,17 @@ class EngineArgs(_Strict):
         None, ge=8, description="Longest prompt + output, in tokens (default: the model's context)."
     )
     kv_cache_rows: int | None = Field(
-        None, ge=1, description="KV-cache rows per replica (default: max_num_seqs full-length sequences)."
+        None,
+        ge=1,
+        description="KV-cache slots (tokens) per replica, paged in blocks; sequences take blocks as they "
+        "grow (default: max_num_seqs full-length sequences).",
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="KV-cache slots per block (vLLM's name).")
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Share the KV blocks of equal prompt prefixes between requests, so a shared system "
+        "prompt or a multi-turn chat is prefilled once (vLLM's name; off by itself for drafters that "
+        "need the target's features of every prompt token).",
     )
     default_max_tokens: int = Field(
         64, ge=1, description="Output tokens when a request does not say (`max_tokens` absent)."

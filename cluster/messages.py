@@ -56,8 +56,13 @@ class ReplicaSnapshot:
     num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [max depth seen]; drafts reaching pos + 1
     steps: int = 0  # engine rounds (one verify forward each)
     trees_missing: int = 0  # sequence-rounds decoded without a tree
-    running: int = 0  # sequences in the batch now
-    waiting: int = 0  # requests queued for a slot now
+    running: int = 0  # sequences in the engine's batch now
+    waiting: int = 0  # requests queued for it now (in the replica or in the engine)
+    kv_blocks_used: int = 0  # KV cache blocks held by sequences now
+    kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # and found there
+    num_preemptions: int = 0  # sequences preempted (KV blocks taken back) for recompute
     max_num_seqs: int = 0  # batch slots
     batch_seq_sum: int = 0  # sequences in the batch, summed over steps
     draft_round_trips: int = 0  # rounds whose trees were collected (0 without a draft source)

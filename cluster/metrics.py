@@ -5,7 +5,8 @@ Three sources, one page:
     ingress (this process)        per request: TTFT, inter-token latency, end-to-end latency,
                                   prompt/generation tokens, finished requests, API errors
     target replicas               `ReplicaSnapshot`: spec_decode_* (kernels.SpecDecodeCounters),
-                                  running/waiting sequences, batch occupancy, draft round trip
+                                  running/waiting sequences, batch occupancy, KV-cache usage,
+                                  prefix-cache queries/hits, preemptions, draft round trip
     draft replicas                `DraftAnnouncement` counters: speculation-cache hits, trees
                                   sent and pushed (read from the draft registry)
 
@@ -153,7 +154,20 @@ class Metrics:
                 [("", t.num_accepted_tokens / t.num_draft_tokens if t.num_draft_tokens else 0.0)],
             )
             metric("num_requests_running", "gauge", "Sequences in the engine's batch.", [("", t.running)])
-            metric("num_requests_waiting", "gauge", "Requests queued for a batch slot.", [("", t.waiting)])
+            metric("num_requests_waiting", "gauge", "Requests queued for the batch.", [("", t.waiting)])
+            metric(
+                "kv_cache_usage_perc",
+                "gauge",
+                "KV-cache usage: blocks held by sequences / all blocks (1 = full), over target replicas.",
+                [("", _ratio(t.kv_blocks_used, t.kv_blocks_total))],
+            )
+            counter(
+                "prefix_cache_queries", t.prefix_cache_queries, "Prompt tokens looked up in the prefix cache."
+            )
+            counter("prefix_cache_hits", t.prefix_cache_hits, "Prompt tokens found in the prefix cache.")
+            counter(
+                "num_preemptions", t.num_preemptions, "Sequences preempted for recompute (KV blocks ran out)."
+            )
             metric(
                 "batch_occupancy",
                 "gauge",

@@ -64,6 +64,8 @@ class TargetWorker:
             budget_policy=budget_policy,
             draft_timeout_s=self.args.draft_pool.round_deadline_ms / 1000,
             seed_key=seed_key or engine_args.seed_key(),
+            block_size=engine_args.block_size,
+            prefix_caching=engine_args.enable_prefix_caching,
         )
         self.loop = EngineLoop(self.engine, engine_args.max_num_seqs, engine_args.max_queued_requests)
         self.replica = context.replica_id.unique_id
@@ -134,8 +136,7 @@ class TargetWorker:
             num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
             steps=stats.num_rounds,
             trees_missing=stats.num_missing_trees,
-            running=self.loop.num_running,
-            waiting=self.loop.num_waiting,
+            **_kv_fields(self.engine, self.loop.num_waiting),
             max_num_seqs=self.args.engine.max_num_seqs,
             batch_seq_sum=self.loop.stats.batch_seq_sum,
             draft_round_trips=drafts.collects if drafts is not None else 0,
@@ -154,6 +155,21 @@ class TargetWorker:
             self.draft_source.close()
         if getattr(self, "shards", None) is not None:
             self.shards.shutdown()
+
+
+def _kv_fields(engine, loop_waiting: int) -> dict[str, Any]:
+    """The batch and the paged KV cache as vLLM counts them: `running` is the engine's batch,
+    `waiting` what is queued in front of it (in the replica's loop and in the engine)."""
+    blocks = engine.blocks
+    return dict(
+        running=len(engine.running),
+        waiting=loop_waiting + len(engine.waiting),
+        kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+        kv_blocks_total=blocks.num_blocks,
+        prefix_cache_queries=blocks.stats.queries,
+        prefix_cache_hits=blocks.stats.hits,
+        num_preemptions=engine.stats.num_preemptions,
+    )
 
 
 def _trust_fields(trust) -> dict[str, Any]:

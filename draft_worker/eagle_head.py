@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.target_worker.layers.attention import SeqAttention, plan_attention, ragged_attention
+from outrider.target_worker.layers.attention import AttentionPlan, plan_attention, ragged_attention
 
 if TYPE_CHECKING:
     from outrider.target_worker.batch import ForwardBatch
@@ -289,7 +289,7 @@ class EagleHead(nn.Module):
         batch: ForwardBatch,  # input_ids, positions, cache_rows, per-sequence kv extents and masks
         hidden: torch.Tensor,  # [T, H] g of each row (projected features, or a parent's output)
         kv_layers: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v): [rows, Hkv, D]
-        plan: list[SeqAttention] | None = None,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
         """Writes each row's K/V at its cache row; returns the output hidden [T, H]."""
         plan = plan_attention(batch) if plan is None else plan

@@ -32,7 +32,7 @@ from outrider.draft_worker.proposer import NO_HINTS, DraftHints, root_only_tree
 from outrider.draft_worker.tree_builder import Frontier
 from outrider.proto import CandidateTree, DraftSampling, SequenceUpdate, TreeBudget
 from outrider.proto.handshake import vocab_fingerprint
-from outrider.target_worker.batch import ForwardBatch, SequenceChunk
+from outrider.target_worker.batch import ForwardBatch, SequenceChunk, extent_index
 from outrider.target_worker.loader import DTYPES
 
 NO_DRAFT = TreeBudget(max_nodes=1, max_depth=0, top_k=0)
@@ -217,7 +217,7 @@ class TreeScratch:
             positions=(self.cached[seq] - 1 + frontier.depth).to(device),
             cache_rows=(self.start[seq] + self.cached[seq] + slot).to(device),
             cu_seqlens=tuple(cu.tolist()),
-            kv_starts=tuple(self.start[present].tolist()),
+            kv_index=extent_index(self.start[present], kv_lens).to(device),
             kv_lens=tuple(kv_lens),
             attn_masks=tuple(masks),
         )

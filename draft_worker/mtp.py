@@ -70,7 +70,7 @@ from outrider.draft_worker.tree_builder import build_trees, draft_generator
 from outrider.proto import CandidateTree, FeatureSpec, SequenceUpdate, TreeBudget
 from outrider.target_worker.batch import ForwardBatch, SequenceChunk, build_forward_batch
 from outrider.target_worker.kv_cache import CacheFullError, KVCache, KVSpec
-from outrider.target_worker.layers.attention import SeqAttention, plan_attention
+from outrider.target_worker.layers.attention import AttentionPlan, plan_attention
 from outrider.target_worker.layers.fp8 import maybe_fp8
 from outrider.target_worker.layers.linear import Linear
 from outrider.target_worker.layers.norm import RMSNorm
@@ -141,7 +141,7 @@ class MTPModule:
         self,
         batch: ForwardBatch,  # tokens t_p at positions p, cache rows, masks; logits_rows = rows to score
         hidden: torch.Tensor,  # [T, H] h_{p-1} for each token (the target's, or the module's own y)
-        plan: list[SeqAttention],
+        plan: AttentionPlan,
         kv: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [R, V], y [R, H] = shared_head.norm(block output)) at `batch.logits_rows`."""
@@ -280,7 +280,7 @@ class MTPProposer(Proposer[MTPState]):
 
     def _run(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, y) of the batch's rows; `hidden` [T, H] = each row's h_{p-1} or parent y."""
-        self.cache.check_rows(batch.kv_starts, batch.kv_lens)
+        self.cache.check_rows(batch.kv_index, batch.kv_lens)
         with torch.inference_mode():
             return self.module.forward(batch, hidden, plan_attention(batch), self.cache.layers[0])
 

@@ -19,21 +19,22 @@ from outrider.kernels.backend import next_power_of_2
 def _compact_kv_kernel(
     cache_ptr,  # [OUTER, NUM_SLOTS, INNER] any dtype, mutable
     accepted_ptr,  # [batch, MAX_ACCEPTED] int64; local nodes, -1 pad
-    root_slots_ptr,  # [batch] int64
+    slot_map_ptr,  # [batch, MAP_WIDTH] int64; cache slot of each local slot
     NUM_SLOTS,
     INNER,
+    MAP_WIDTH,
     MAX_ACCEPTED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     outer = tl.program_id(1).to(tl.int64)
-    root = tl.load(root_slots_ptr + b)
+    slots = slot_map_ptr + b * MAP_WIDTH
     base = cache_ptr + outer * NUM_SLOTS * INNER
     for k in range(MAX_ACCEPTED):
         node = tl.load(accepted_ptr + b * MAX_ACCEPTED + k)
         if (node >= 0) & (node != k + 1):
-            src = base + (root + node) * INNER
-            dst = base + (root + k + 1) * INNER
+            src = base + tl.load(slots + node) * INNER
+            dst = base + tl.load(slots + k + 1) * INNER
             for off in range(0, INNER, BLOCK):
                 offs = off + tl.arange(0, BLOCK)
                 tl.store(dst + offs, tl.load(src + offs, mask=offs < INNER), mask=offs < INNER)
@@ -42,7 +43,7 @@ def _compact_kv_kernel(
 
 
 def compact_kv_triton(
-    cache: torch.Tensor, accepted_node_ids: torch.Tensor, root_slots: torch.Tensor, slot_dim: int
+    cache: torch.Tensor, accepted_node_ids: torch.Tensor, slot_map: torch.Tensor, slot_dim: int
 ) -> None:
     """Same contract as `kv_compaction.compact_kv` (slot_dim already non-negative)."""
     if not cache.is_contiguous():
@@ -53,9 +54,10 @@ def compact_kv_triton(
     _compact_kv_kernel[(batch, outer)](
         cache,
         accepted_node_ids.contiguous(),
-        root_slots.to(torch.int64).contiguous(),
+        slot_map.to(torch.int64).contiguous(),
         cache.shape[slot_dim],
         inner,
+        slot_map.shape[1],
         MAX_ACCEPTED=max_accepted,
         BLOCK=min(next_power_of_2(inner), 1024),
     )

@@ -7,7 +7,7 @@ A round (docs/architecture.md, "One round"; docs/algorithms.md sections 1-2), as
     out = runner.forward(...)               # new prompts' chunks + every tree, one ragged batch
     res = verify(trees, p, greedy, rand)    # lossless; greedy and sampled rows together
     trust.audit(trees, p)                   # a trusted source's q, checked against p (draft_trust)
-    cache.commit_paths(...)                 # the accepted paths' K/V follow their roots
+    cache.compact(...)                      # the accepted paths' K/V follow their roots
     ... append, stop, free, stream          # the caller gets per-request token deltas
     drafts.submit(deltas)                   # drafting of the next round overlaps the caller
 
@@ -26,10 +26,12 @@ One decoding sequence has nothing to overlap with, and in-process drafting runs 
 `collect`, so both keep one lane (the speculation cache is what hides the drafter at batch 1).
 
 A sequence without a tree (speculation off, no tree by the deadline, a bad tree) is verified
-with a root-only tree: plain decoding of one token through the same code path. Requests are
-admitted whenever a batch slot and a KV extent are free; a request that could never fit is
-refused at `add_request` with `CacheFullError`. The features a drafter needs are captured
-in the same forward (`target_worker.drafter_features`).
+with a root-only tree: plain decoding of one token through the same code path. The KV cache
+is paged (`block_manager`): requests are admitted while a batch slot and their prompt's
+blocks are free, sequences take blocks as they grow, and when blocks run out the youngest is
+preempted and later recomputed (`kv_scheduler`); a request that could never fit is refused
+at `add_request` with `CacheFullError`. The features a drafter needs are captured in the same
+forward (`target_worker.drafter_features`).
 """
 
 from __future__ import annotations
@@ -55,10 +57,12 @@ from outrider.proto import (
     TreeBudget,
     check_trees,
 )
+from outrider.target_worker.block_manager import BlockManager
 from outrider.target_worker.draft_source import DraftSource
 from outrider.target_worker.draft_trust import PROCESS_SEED_KEY, DraftTrust, derive_seed
 from outrider.target_worker.drafter_features import capture_for, gather_features, keep_features, verified_rows
 from outrider.target_worker.kv_cache import CacheFullError
+from outrider.target_worker.kv_scheduler import KVScheduler
 from outrider.target_worker.lanes import LaneTuner, lane_to_verify
 from outrider.target_worker.round_plan import RoundPlan, plan_round, root_only_tree
 from outrider.target_worker.runner import ModelRunner
@@ -82,6 +86,7 @@ class EngineStats:
     num_trees: int = 0  # valid trees used
     num_invalid_trees: int = 0  # dropped: malformed, over budget, wrong root or round
     num_missing_trees: int = 0  # no tree by the deadline
+    num_preemptions: int = 0  # sequences whose blocks were taken back, to be recomputed
 
 
 @dataclass
@@ -109,6 +114,8 @@ class Engine:
         lanes: int | None = None,
         seed_key: bytes = PROCESS_SEED_KEY,
         budget_policy: str = "fixed",
+        block_size: int = 16,
+        prefix_caching: bool = True,
     ):
         """`draft_source` None = speculation off. `detokenize` is needed for stop strings.
 
@@ -123,6 +130,10 @@ class Engine:
         `lanes`: 2 alternates halves of the batch so remote drafting overlaps verification
         (module docstring); None = for a source that `overlaps_drafting`, 1 or 2 by measured
         throughput (`LaneTuner`), else 1.
+
+        `block_size`: KV slots per cache block. `prefix_caching`: share full blocks of equal
+        prompt prefixes between requests; off (with a log line) for drafters that need target
+        features, which a skipped prefill would not produce.
         """
         if max_prefill_tokens < 1 or max_batch < 1:
             raise ValueError("max_batch and max_prefill_tokens must be >= 1")
@@ -148,6 +159,12 @@ class Engine:
         self._next_id = 0
         self.seed_key = seed_key
         self._submit_s = 0.0  # the last step's `_submit_deltas` time, charged to the next round
+        if prefix_caching and self.capture is not None:
+            log.info("prefix caching is off: the drafter needs the target's features of every prompt token")
+        self.blocks = BlockManager(
+            self.cache.total_rows // block_size, block_size, prefix_caching and self.capture is None
+        )
+        self.kv = KVScheduler(self.blocks, self._max_rows(), max_batch, self._on_admit)
         if budget_policy not in ("adaptive", "fixed"):
             raise ValueError(f"budget_policy must be 'adaptive' or 'fixed', got {budget_policy!r}")
         adaptive = PolicyConfig(adaptive=budget_policy == "adaptive")
@@ -172,7 +189,7 @@ class Engine:
             raise CacheFullError(
                 f"request needs {need} KV rows (prompt {len(prompt)} + max_tokens {params.max_tokens} - 1); "
                 f"a sequence can hold at most {most} (max_model_len {self.runner.max_model_len}, "
-                f"KV cache {self.cache.total_rows} rows)"
+                f"KV cache {self.blocks.num_blocks * self.blocks.block_size} slots)"
             )
         generator, draft_sampling = None, params.sampling
         if params.seed is not None:
@@ -209,7 +226,7 @@ class Engine:
         started = time.perf_counter()
         if self.lane_tuner is not None:
             self.lanes = self.lane_tuner.mode
-        decoding = [s for s in self.running if s.decoding]
+        decoding = [s for s in self.running if not s.prefilling]
         ready = decoding
         if self.lanes == 2:
             ready, self._turn = lane_to_verify(decoding, self._turn)
@@ -219,13 +236,18 @@ class Engine:
         trees = self.drafts.collect(asked, self.draft_timeout_s) if asked else {}
         collected = time.perf_counter()
         trees = self._checked_trees(ready, trees)
+        ready, trees = self.kv.reserve(ready, trees, self.running, self.waiting, self.round)
+        prefilling = [s for s in self.running if s.prefilling]
+        if not ready and not prefilling:  # all preempted: the next step readmits them
+            return []
         plan = plan_round(
             list(zip(ready, trees, strict=True)),
-            [s for s in self.running if not s.decoding],
+            prefilling,
             self.max_prefill_tokens,
             self.round,
             self.capture,
             self.runner.device,
+            self.blocks.block_size,
         )
         # 2. One target forward: prompt chunks and every tree, flattened into one ragged batch.
         out = self.runner.forward(plan.forward)
@@ -240,7 +262,7 @@ class Engine:
             if self.trust is not None:
                 self.trust.audit(plan.trees, p, greedy)  # trusted sampled trees: is q honest?
             # 4. Commit: the accepted paths' K/V move next to their roots; tokens are appended.
-            self.cache.commit_paths(res.accepted_node_ids, plan.root_rows)
+            self.cache.compact(res.accepted_node_ids, plan.slot_map)
             self.stats.spec.observe(plan.trees.cu_num_draft_tokens, res)
             outputs = self._append_outputs(plan, res, features)
             # The round's cost outside collect: this far, plus the last round's deltas (the
@@ -249,6 +271,7 @@ class Engine:
                 round_s = time.perf_counter() - collected + self._submit_s
                 self.policy.observe_round(ready, trees, res, plan, collected - started, round_s)
         self._fill_prompts(plan, features)
+        self.kv.settle(plan.verified, plan.filled)
         # 5. Deltas (under the policy's budgets) for the next round's trees, and `finished`.
         finished = [s for s in self.running if s.finished]
         self._release(finished)
@@ -283,34 +306,26 @@ class Engine:
     # ---- admission -----------------------------------------------------------------------
 
     def _rows_needed(self, num_prompt: int, params: RequestParams) -> int:
-        """KV rows for plain decoding: the last output token is never cached."""
+        """KV slots for plain decoding: the last output token is never cached."""
         return num_prompt + params.max_tokens - 1
 
     def _max_rows(self) -> int:
-        return min(self.runner.max_model_len, self.cache.total_rows)
+        return min(self.runner.max_model_len, self.blocks.num_blocks * self.blocks.block_size)
 
     def _admit(self) -> None:
-        """First come, first served while a batch slot and a KV extent are free."""
-        while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
-            rows = self._rows_needed(seq.num_prompt, seq.params)
-            if self.drafts is not None:  # room for the largest tree past the context
-                rows = min(rows + self.tree_budget.max_nodes - 1, self._max_rows())
-            try:
-                seq.cache_start = self.cache.allocate(seq.seq_id, rows)
-            except CacheFullError:
-                return  # wait for running sequences to finish and free their extents
-            seq.cache_rows = rows
-            if self.lanes > 1 or self.lane_tuner is not None:  # join the lane with fewer sequences
-                sizes = [sum(s.lane == lane for s in self.running) for lane in (0, 1)]
-                seq.lane = sizes.index(min(sizes))
-            self.running.append(self.waiting.popleft())
+        self.kv.admit(self.waiting, self.running, self.round)
+        self.stats.num_preemptions = self.kv.num_preemptions
+
+    def _on_admit(self, seq: Sequence) -> None:
+        if self.lanes > 1 or self.lane_tuner is not None:  # join the lane with fewer sequences
+            sizes = [sum(s.lane == lane for s in self.running) for lane in (0, 1)]
+            seq.lane = sizes.index(min(sizes))
 
     def _release(self, finished: list[Sequence]) -> None:
         for seq in finished:
             if seq in self.running:
                 self.running.remove(seq)
-                self.cache.free(seq.seq_id)
+                self.kv.release(seq)
             elif seq in self.waiting:
                 self.waiting.remove(seq)
 
@@ -371,7 +386,7 @@ class Engine:
 
     def _next_prefill_tokens(self) -> int:
         """Prompt tokens the next forward will likely carry beside the trees."""
-        left = sum(s.num_prompt - s.num_cached for s in self.running if not s.decoding)
+        left = sum(len(s.tokens) - s.num_cached for s in self.running if s.prefilling)
         return min(left, self.max_prefill_tokens)
 
     def _delta(

@@ -1,24 +1,21 @@
-"""The preallocated KV cache: one row pool, a contiguous extent per sequence.
+"""The preallocated KV cache: one row pool per layer and buffer, addressed by row.
 
 Layout (every buffer the architecture asks for; Llama: "k" and "v", each [H_kv_local, D]):
 
     buffer[layer]:  [ rows: total_rows ][ *per_token_shape ]
-                      |-- seq 7 extent --|-- seq 2 extent ----|-- free --|-- seq 9 --|
-    seq extent:       | committed context | tree / scratch | unused until the seq grows |
-                      ^ start              ^ start + context_len
 
-A sequence is admitted with the most rows it can ever need (prompt + max new tokens + tree
-budget) and gets one contiguous extent, so its keys are a plain strided view for SDPA (no
-gather), row = start + absolute position (rollback = just overwrite), and committing an
-accepted tree path moves rows within the extent. A sequence that cannot get an extent is
-refused at admission (`CacheFullError`) instead of failing mid-generation.
+Two ways to hand out rows, one per kind of user:
 
-Why not paged: a paged layout packs memory tighter, but SDPA on CPU (and any non-paged
-attention) would then gather every sequence's blocks into a contiguous copy per layer per
-step, which is the overhead this runner exists to avoid. Extents give bounded memory and
-exact admission; their cost is external fragmentation, limited by first-fit with
-coalescing of freed neighbours. A paged pool can later replace `allocate` behind the same
-`cache_start` contract once a paged attention kernel exists.
+- **Paged** (the target engine): `block_manager.BlockManager` cuts the rows into blocks of
+  block_size and gives each sequence a block table; it lives on the engine (TP rank 0) only,
+  since every forward names its rows (`ForwardBatch.cache_rows`, `kv_index`).
+- **Extents** (`allocate`; the drafters' own caches and tools): one contiguous extent per
+  sequence with its most rows, first-fit with coalescing of freed neighbours. A drafter's
+  sequence needs a bounded number of rows (a window of its context) and reads them as one
+  range, so its bookkeeping stays this simple.
+
+After verification `compact` moves each accepted path's rows into place through a slot map
+(`kernels.compact_kv`), whichever way the rows were handed out.
 """
 
 from __future__ import annotations
@@ -115,9 +112,14 @@ class KVCache:
     def largest_free_extent(self) -> int:
         return max((length for _, length in self._free), default=0)
 
-    def check_rows(self, kv_starts: tuple[int, ...], kv_lens: tuple[int, ...]) -> None:
-        """Refuses a batch that would read or write past a sequence's extent."""
-        for start, kv_len in zip(kv_starts, kv_lens, strict=True):
+    def check_rows(self, kv_index: torch.Tensor, kv_lens: tuple[int, ...]) -> None:
+        """Refuses a batch that would read or write past a sequence's extent (extent users:
+        a sequence's first row is its extent's start) or past the cache (paged users)."""
+        if not self._extents:
+            if kv_index.numel() and not 0 <= int(kv_index.min()) <= int(kv_index.max()) < self.total_rows:
+                raise ValueError(f"a forward names KV rows outside the cache's {self.total_rows}")
+            return
+        for start, kv_len in zip(kv_index[:, 0].tolist(), kv_lens, strict=True):
             length = self._length_at.get(start)
             if length is None:
                 raise ValueError(f"no sequence holds a KV extent starting at row {start}")
@@ -126,16 +128,16 @@ class KVCache:
                     f"sequence at KV row {start} needs {kv_len} rows but was admitted with {length}"
                 )
 
-    def commit_paths(
+    def compact(
         self,
         accepted_node_ids: torch.Tensor,  # [B, max_accepted] int64; accepted local nodes after the root, -1 pad
-        root_rows: torch.Tensor,  # [B] int64; cache row of each tree's root (extent start + context_len)
+        slot_map: torch.Tensor,  # [B, >= max node + 1] int64; cache row of each tree node's slot (root first)
     ) -> None:
-        """After verification: move each accepted path's K/V rows to follow its root.
+        """After verification: move each accepted path's K/V rows to the slots after its root.
 
-        The root and the path then occupy rows root .. root + accepted, exactly what a plain
+        The root and the path then occupy slots root .. root + accepted, exactly what a plain
         forward of those tokens would have written; rows past them are stale and are
         overwritten by the next forward (rollback by position, no clearing).
         """
         for buffer in self.buffers.values():
-            compact_kv(buffer, accepted_node_ids, root_rows, slot_dim=1)
+            compact_kv(buffer, accepted_node_ids, slot_map, slot_dim=1)

@@ -31,7 +31,7 @@ class RoundPlan:
     forward: ForwardBatch
     verified: list[Sequence]  # [B] sequences verified this round, in tree order
     trees: PackedTrees | None  # [B] their trees (None if B = 0); logits rows 0 .. total_nodes - 1, node order
-    root_rows: torch.Tensor  # [B] int64; cache row of each tree's root
+    slot_map: torch.Tensor  # [B, max tree size] int64; cache row of each tree node's slot (`compact_kv`)
     filled: list[Sequence]  # sequences whose prompt chunk stops short of the root (chunks after the B)
     num_prefill_tokens: int  # prompt tokens in this forward (final and partial chunks)
 
@@ -73,6 +73,7 @@ def plan_round(
     round: int,
     capture: HiddenCapture | None,
     device: torch.device,
+    block_size: int,
 ) -> RoundPlan:
     verified, trees, chunks = [], [], []
     for seq, tree in decoding:
@@ -81,7 +82,15 @@ def plan_round(
         chain = tree.num_nodes == 1 or bool(torch.equal(tree.parents, torch.arange(-1, tree.num_nodes - 1)))
         parents = None if chain else tree.parents
         chunks.append(
-            SequenceChunk(seq.cache_start, seq.num_cached, tree.tokens, parents=parents, all_logits=True)
+            SequenceChunk(
+                -1,
+                seq.num_cached,
+                tree.tokens,
+                parents,
+                all_logits=True,
+                blocks=seq.blocks,
+                block_size=block_size,
+            )
         )
         verified.append(seq)
         trees.append(tree)
@@ -92,7 +101,7 @@ def plan_round(
             break
         budget -= take
         ids = torch.tensor(seq.tokens[seq.num_cached : seq.num_cached + take], dtype=torch.int64)
-        chunk = SequenceChunk(seq.cache_start, seq.num_cached, ids)
+        chunk = SequenceChunk(-1, seq.num_cached, ids, blocks=seq.blocks, block_size=block_size)
         if seq.num_cached + take == len(seq.tokens):  # reaches the root: its last row is a decode
             chunks.append(chunk)
             verified.append(seq)
@@ -100,12 +109,23 @@ def plan_round(
         else:
             partial.append(seq)
             partial_chunks.append(chunk)
-    root_rows = [s.cache_start + len(s.tokens) - 1 for s in verified]
+    forward = build_forward_batch(chunks + partial_chunks, capture=capture, device=device)
     return RoundPlan(
-        forward=build_forward_batch(chunks + partial_chunks, capture=capture, device=device),
+        forward=forward,
         verified=verified,
         trees=pack_trees(trees, device=device) if trees else None,
-        root_rows=torch.tensor(root_rows, dtype=torch.int64, device=device),
+        slot_map=_tree_slot_map(forward, [t.num_nodes for t in trees]),
         filled=partial,
         num_prefill_tokens=max_prefill_tokens - budget,
     )
+
+
+def _tree_slot_map(forward: ForwardBatch, tree_sizes: list[int]) -> torch.Tensor:
+    """[B, max tree size]: the cache row of node i of verified sequence b's tree (a tree is
+    its chunk's last rows; past its size, its last node's row)."""
+    if not tree_sizes:
+        return torch.empty(0, 0, dtype=torch.int64, device=forward.cache_rows.device)
+    sizes = torch.tensor(tree_sizes)
+    ends = torch.tensor(forward.cu_seqlens[1 : len(tree_sizes) + 1])
+    node = torch.minimum(torch.arange(int(sizes.max()))[None, :], sizes[:, None] - 1)
+    return forward.cache_rows[(ends - sizes)[:, None] + node]

@@ -1,10 +1,11 @@
 """The model runner: a loaded model, its KV cache, and one forward over a ragged batch.
 
     runner = ModelRunner.from_pretrained(path, max_model_len=2048, kv_cache_rows=65536)
-    start = runner.cache.allocate(seq_id, prompt_len + max_new_tokens + tree_budget)
+    start = runner.cache.allocate(seq_id, prompt_len + max_new_tokens + tree_budget)   # or paged:
+    #   SequenceChunk(-1, context, ids, blocks=table, block_size=16)  (`BlockManager`)
     batch = build_forward_batch([SequenceChunk(start, 0, prompt_ids), ...])
     out = runner.forward(batch)            # out.logits: [R, V] for batch.logits_rows
-    runner.cache.commit_path(...)          # after verifying a tree
+    runner.cache.compact(...)              # after verifying a tree
 
 The runner knows nothing of speculation: trees reach it only as attention masks and
 positions inside `ForwardBatch`. Under tensor parallelism every rank builds its own runner
@@ -65,5 +66,5 @@ class ModelRunner:
             raise ValueError(
                 f"a sequence reaches {max(batch.kv_lens)} tokens; max_model_len is {self.max_model_len}"
             )
-        self.cache.check_rows(batch.kv_starts, batch.kv_lens)
+        self.cache.check_rows(batch.kv_index, batch.kv_lens)
         return self.model.forward(batch, plan_attention(batch), self.cache.layers)

@@ -81,8 +81,8 @@ class Sequence:
     num_prompt: int
     generator: torch.Generator | None  # per-request stream for verification's random numbers
     draft_sampling: SamplingParams  # what the drafter is told: a seed derived apart from the verifier's
-    cache_start: int = -1  # first row of the KV extent; -1 until admitted
-    cache_rows: int = 0  # rows in the extent
+    blocks: list[int] | None = None  # the KV block table (`BlockManager.tables`); None until admitted
+    max_slots: int = 0  # the most KV slots it may ever use (max_model_len or the whole cache)
     num_cached: int = 0  # tokens whose K/V is in the cache
     num_sent: int = 0  # tokens the drafter has been given
     unsent_features: list[torch.Tensor] = field(default_factory=list)  # [*, width] rows of tokens[num_sent:]
@@ -100,6 +100,12 @@ class Sequence:
         return len(self.tokens) > self.num_prompt
 
     @property
+    def prefilling(self) -> bool:
+        """Its root's context is not all cached yet: a new prompt, or a sequence preempted
+        (its blocks taken back) and being recomputed. Prompt chunks until it reaches its root."""
+        return not self.decoding or self.num_cached < len(self.tokens) - 1
+
+    @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.num_prompt :]
 
@@ -108,8 +114,8 @@ class Sequence:
         return self.finish_reason is not None
 
     def tree_budget(self, limit: TreeBudget) -> TreeBudget:
-        """This round's budget: no more nodes than the extent has rows, no deeper than useful."""
-        rows_left = self.cache_rows - self.num_cached  # the root and every node take a row
+        """This round's budget: no more nodes than it may have slots, no deeper than useful."""
+        rows_left = self.max_slots - self.num_cached  # the root and every node take a slot
         useful_depth = self.params.max_tokens - len(self.output_ids) - 1  # the last output is recovered/bonus
         depth = max(0, min(limit.max_depth, useful_depth))
         nodes = min(limit.max_nodes, rows_left) if depth else 1

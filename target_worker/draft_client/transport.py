@@ -219,7 +219,9 @@ class Connections:
         except grpc.RpcError as error:
             endpoint.last_error = error
             if not self._closed.is_set():
-                log.warning("draft worker %s: stream lost (%s: %s)", endpoint.address, error.code(), error.details())
+                log.warning(
+                    "draft worker %s: stream lost (%s: %s)", endpoint.address, error.code(), error.details()
+                )
         finally:
             with self._cond:
                 endpoint.healthy = False

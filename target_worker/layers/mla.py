@@ -14,14 +14,14 @@ into the query and the output (what vLLM and SGLang do for decode):
 
 so attention is multi-query attention with one shared "head" of width L + R for keys and
 L for values, over rows read straight from the cache (`latent_attention`). The sequence's
-masks come from `attention.plan_attention`, as for every other architecture.
+masks and groups come from `attention.plan_attention`, as for every other architecture.
 """
 
 from __future__ import annotations
 
 import torch
 
-from outrider.target_worker.layers.attention import SeqAttention
+from outrider.target_worker.layers.attention import AttentionPlan
 
 
 def latent_attention(
@@ -29,24 +29,32 @@ def latent_attention(
     q_pe: torch.Tensor,  # [T, heads, R] rotated rope part of the queries
     c_cache: torch.Tensor,  # [rows, L] this layer's latents, new tokens already written
     pe_cache: torch.Tensor,  # [rows, R] this layer's rotated rope keys
-    plan: list[SeqAttention],
+    plan: AttentionPlan,
     scale: float,
 ) -> torch.Tensor:
-    """Returns [T, heads, L]: the attention-weighted latent per head (apply W_UV after)."""
+    """Returns [T, heads, L]: the attention-weighted latent per head (apply W_UV after).
+
+    One batched call per length class of the plan, as `attention.ragged_attention`."""
     t, heads, latent = q_lat.shape
-    out = q_lat.new_empty(t, heads, latent)
-    for seq in plan:
-        n = seq.q_stop - seq.q_start
-        c = c_cache[seq.kv_start : seq.kv_stop]  # [kv, L], a view
-        pe = pe_cache[seq.kv_start : seq.kv_stop]  # [kv, R]
-        ql = q_lat[seq.q_start : seq.q_stop].reshape(n * heads, latent)
-        qp = q_pe[seq.q_start : seq.q_stop].reshape(n * heads, -1)
-        scores = torch.addmm(torch.mm(qp, pe.t()), ql, c.t()).view(n, heads, -1)  # [n, heads, kv]
-        mask = seq.mask
-        if mask is None and seq.causal:
-            mask = torch.ones(n, c.shape[0], dtype=torch.bool, device=c.device).tril()
-        if mask is not None:
-            scores.masked_fill_(~mask[:, None, :], float("-inf"))
+    out = None
+    for group in plan.groups:
+        g, n = group.q_index.shape
+        c = group.gather(c_cache)  # [G, kv, L]
+        pe = group.gather(pe_cache)  # [G, kv, R]
+        ql = q_lat[group.q_index].reshape(g, n * heads, latent)
+        qp = q_pe[group.q_index].reshape(g, n * heads, -1)
+        scores = torch.baddbmm(torch.bmm(qp, pe.transpose(1, 2)), ql, c.transpose(1, 2))  # [G, n*heads, kv]
+        scores = scores.view(g, n, heads, -1)
+        if group.mask is not None:
+            scores.masked_fill_(~group.mask.transpose(1, 2), float("-inf"))  # [G, n, 1, kv]
+        elif group.causal:
+            causal = torch.ones(n, c.shape[1], dtype=torch.bool, device=c.device).tril()
+            scores.masked_fill_(~causal[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores.float() * scale, dim=-1).to(c.dtype)
-        out[seq.q_start : seq.q_stop] = torch.mm(probs.view(n * heads, -1), c).view(n, heads, latent)
+        o = torch.bmm(probs.view(g, n * heads, -1), c).view(g * n, heads, latent)
+        if group.out_rows is None:
+            return o
+        if out is None:
+            out = q_lat.new_empty(t, heads, latent)
+        out[group.out_rows] = o[group.out_take]
     return out

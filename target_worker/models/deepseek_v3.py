@@ -45,7 +45,7 @@ import torch
 
 from outrider.target_worker.batch import ForwardBatch, ForwardOutput
 from outrider.target_worker.kv_cache import KVSpec
-from outrider.target_worker.layers.attention import SeqAttention
+from outrider.target_worker.layers.attention import AttentionPlan
 from outrider.target_worker.layers.fp8 import maybe_fp8
 from outrider.target_worker.layers.linear import (
     Linear,
@@ -216,7 +216,7 @@ class DeepseekV3Block:
         h: torch.Tensor,  # [T, H] residual stream
         rotation: torch.Tensor,  # [T, 1, R/2] complex
         rows: torch.Tensor,  # [T] cache rows to write
-        plan: list[SeqAttention],
+        plan: AttentionPlan,
         kv: tuple[torch.Tensor, torch.Tensor],  # c_kv [rows, L], k_pe [rows, R]
     ) -> torch.Tensor:
         t, heads, cfg = h.shape[0], self.num_heads, self.cfg
@@ -269,7 +269,7 @@ class DeepseekV3Model:
         return KVSpec(num_layers=self.num_layers, buffers=buffers, dtype=self.dtype)
 
     def forward(
-        self, batch: ForwardBatch, plan: list[SeqAttention], kv_layers: list[tuple[torch.Tensor, ...]]
+        self, batch: ForwardBatch, plan: AttentionPlan, kv_layers: list[tuple[torch.Tensor, ...]]
     ) -> ForwardOutput:
         capture = batch.capture
         h = self.embed(batch.input_ids)  # [T, H]

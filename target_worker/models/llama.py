@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from outrider.target_worker.batch import ForwardBatch, ForwardOutput
 from outrider.target_worker.kv_cache import KVSpec
-from outrider.target_worker.layers.attention import SeqAttention, ragged_attention
+from outrider.target_worker.layers.attention import AttentionPlan, ragged_attention
 from outrider.target_worker.layers.linear import (
     Linear,
     VocabParallelEmbedding,
@@ -154,7 +154,7 @@ class LlamaBlock:
         h: torch.Tensor,  # [T, H] residual stream
         rotation: torch.Tensor,  # [T, 1, D/2] complex
         rows: torch.Tensor,  # [T] cache rows to write
-        plan: list[SeqAttention],
+        plan: AttentionPlan,
         kv: tuple[torch.Tensor, torch.Tensor],  # k, v: [rows, H_kv, D]
     ) -> torch.Tensor:
         t, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -223,7 +223,7 @@ class LlamaFamilyModel:
         return KVSpec(num_layers=self.num_layers, buffers=(("k", shape), ("v", shape)), dtype=self.dtype)
 
     def forward(
-        self, batch: ForwardBatch, plan: list[SeqAttention], kv_layers: list[tuple[torch.Tensor, ...]]
+        self, batch: ForwardBatch, plan: AttentionPlan, kv_layers: list[tuple[torch.Tensor, ...]]
     ) -> ForwardOutput:
         capture = batch.capture
         h = self.embed(batch.input_ids)  # [T, H]

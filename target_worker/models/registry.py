@@ -17,7 +17,7 @@ import torch
 
 from outrider.target_worker.batch import ForwardBatch, ForwardOutput
 from outrider.target_worker.kv_cache import KVSpec
-from outrider.target_worker.layers.attention import SeqAttention
+from outrider.target_worker.layers.attention import AttentionPlan
 from outrider.target_worker.loader import CheckpointError, CheckpointReader
 from outrider.target_worker.parallel.group import TPGroup
 
@@ -48,7 +48,7 @@ class CausalLM(Protocol):
     def forward(
         self,
         batch: ForwardBatch,
-        plan: list[SeqAttention],
+        plan: AttentionPlan,
         kv_layers: list[tuple[torch.Tensor, ...]],
     ) -> ForwardOutput: ...
 

@@ -6,12 +6,16 @@ wrapped in `LeaderRunner`, which broadcasts every runner/cache call before doing
 ranks 1.. sit in `follow()` and replay them. Only tensors cross (torch.distributed: gloo on
 CPU, NCCL on GPU), never pickled objects (docs/architecture.md, "Invariants"):
 
-    header [8] int64:   op | a | b | c | d | e | f | g     (sizes of what follows)
-    FORWARD             ints = input_ids | positions | cache_rows | cu_seqlens | kv_starts |
-                               kv_lens | logits_rows | capture layers | mask flags [B]
+    header [11] int64:  op | a | b | c | d | e | f | g | h | i | j    (sizes of what follows)
+    FORWARD             ints = input_ids | positions | cache_rows | cu_seqlens | kv_lens |
+                               logits_rows | capture layers | mask flags [B] | kv_index [B, h] |
+                               block_tables [B, i] (paged; j = block_size)
                         masks = every given attention mask, flattened, as uint8
     ALLOCATE            a = seq_id, b = rows            FREE  a = seq_id
-    COMMIT              ints = accepted_node_ids [a, b] | root_rows [a]
+    COMMIT              ints = accepted_node_ids [a, b] | slot_map [a, c]
+
+The target engine's paged block tables stay on rank 0: a forward names its rows and a commit
+its slots, so the followers' caches are storage only.
     STOP                followers return
 """
 
@@ -26,7 +30,7 @@ from outrider.target_worker.batch import ForwardBatch, ForwardOutput, HiddenCapt
 from outrider.target_worker.parallel.group import TPGroup
 
 FORWARD, ALLOCATE, FREE, COMMIT, STOP = range(1, 6)
-HEADER = 8
+HEADER = 11
 
 
 class BatchBroadcaster:
@@ -52,21 +56,26 @@ class BatchBroadcaster:
             batch.logits_rows if batch.logits_rows is not None else torch.empty(0, dtype=torch.int64)
         )
         layers = list(batch.capture.layer_inputs)
+        tables = (
+            batch.block_tables if batch.block_tables is not None else torch.empty(0, 0, dtype=torch.int64)
+        )
         ints = torch.cat(
             [
                 batch.input_ids.to(self.device, torch.int64),
                 batch.positions.to(self.device, torch.int64),
                 batch.cache_rows.to(self.device, torch.int64),
-                torch.tensor([*batch.cu_seqlens, *batch.kv_starts, *batch.kv_lens], device=self.device),
+                torch.tensor([*batch.cu_seqlens, *batch.kv_lens], device=self.device),
                 logits_rows.to(self.device, torch.int64),
                 torch.tensor(layers + [int(f) for f in flags], dtype=torch.int64, device=self.device),
+                batch.kv_index.reshape(-1).to(self.device, torch.int64),
+                tables.reshape(-1).to(self.device, torch.int64),
             ]
         )
         mask_numel = sum(m.numel() for m in masks)
         no_logits_rows = int(batch.logits_rows is None)
         self._header(
             FORWARD, batch.num_tokens, batch.batch_size, logits_rows.numel(), no_logits_rows, len(layers),
-            int(batch.capture.final), mask_numel,
+            int(batch.capture.final), mask_numel, batch.kv_index.shape[1], tables.shape[1], batch.block_size,
         )  # fmt: skip
         self._bcast(ints)
         if mask_numel:
@@ -78,10 +87,10 @@ class BatchBroadcaster:
     def send_free(self, seq_id: int) -> None:
         self._header(FREE, seq_id)
 
-    def send_commit(self, accepted_node_ids: torch.Tensor, root_rows: torch.Tensor) -> None:
+    def send_commit(self, accepted_node_ids: torch.Tensor, slot_map: torch.Tensor) -> None:
         b, m = accepted_node_ids.shape
-        self._header(COMMIT, b, m)
-        ints = torch.cat([accepted_node_ids.reshape(-1), root_rows.reshape(-1)]).to(self.device, torch.int64)
+        self._header(COMMIT, b, m, slot_map.shape[1])
+        ints = torch.cat([accepted_node_ids.reshape(-1), slot_map.reshape(-1)]).to(self.device, torch.int64)
         self._bcast(ints)
 
     def send_stop(self) -> None:
@@ -100,16 +109,18 @@ class BatchBroadcaster:
         if op == FREE:
             return op, header[1]
         if op == COMMIT:
-            b, m = header[1], header[2]
-            ints = self._bcast(torch.empty(b * m + b, dtype=torch.int64, device=self.device))
-            return op, (ints[: b * m].reshape(b, m), ints[b * m :])
+            b, m, w = header[1], header[2], header[3]
+            ints = self._bcast(torch.empty(b * m + b * w, dtype=torch.int64, device=self.device))
+            return op, (ints[: b * m].reshape(b, m), ints[b * m :].reshape(b, w))
         return op, None
 
-    def _receive_forward(self, t, b, r, no_rows, n_layers, final, mask_numel) -> ForwardBatch:
-        size = 3 * t + (b + 1) + 2 * b + r + n_layers + b
+    def _receive_forward(
+        self, t, b, r, no_rows, n_layers, final, mask_numel, width, num_blocks, block_size
+    ) -> ForwardBatch:
+        size = 3 * t + (b + 1) + b + r + n_layers + b + b * width + b * num_blocks
         ints = self._bcast(torch.empty(size, dtype=torch.int64, device=self.device))
-        parts = torch.split(ints, [t, t, t, b + 1, b, b, r, n_layers, b])
-        input_ids, positions, cache_rows, cu, starts, lens, rows, layers, flags = parts
+        parts = torch.split(ints, [t, t, t, b + 1, b, r, n_layers, b, b * width, b * num_blocks])
+        input_ids, positions, cache_rows, cu, lens, rows, layers, flags, kv_index, tables = parts
         cu_l, lens_l = cu.tolist(), lens.tolist()
         flat = (
             self._bcast(torch.empty(mask_numel, dtype=torch.uint8, device=self.device))
@@ -129,7 +140,9 @@ class BatchBroadcaster:
             positions=positions,
             cache_rows=cache_rows,
             cu_seqlens=tuple(cu_l),
-            kv_starts=tuple(starts.tolist()),
+            kv_index=kv_index.reshape(b, width),
+            block_tables=tables.reshape(b, num_blocks) if block_size else None,
+            block_size=block_size,
             kv_lens=tuple(lens_l),
             attn_masks=tuple(masks),
             logits_rows=None if no_rows else rows,
@@ -153,7 +166,7 @@ def follow(runner: Any, broadcaster: BatchBroadcaster) -> int:
         elif op == FREE:
             runner.cache.free(payload)
         elif op == COMMIT:
-            runner.cache.commit_paths(*payload)
+            runner.cache.compact(*payload)
         else:
             return forwards
 
@@ -173,9 +186,9 @@ class _LeaderCache:
         self._cache.free(seq_id)
         self._bc.send_free(seq_id)
 
-    def commit_paths(self, accepted_node_ids: torch.Tensor, root_rows: torch.Tensor) -> None:
-        self._bc.send_commit(accepted_node_ids, root_rows)
-        self._cache.commit_paths(accepted_node_ids, root_rows)
+    def compact(self, accepted_node_ids: torch.Tensor, slot_map: torch.Tensor) -> None:
+        self._bc.send_commit(accepted_node_ids, slot_map)
+        self._cache.compact(accepted_node_ids, slot_map)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cache, name)

@@ -43,3 +43,26 @@ def test_auto_backend_picks_triton_on_cuda() -> None:
     from outrider.kernels.backend import use_triton
 
     assert use_triton(None, torch.device("cuda"))
+
+
+_paged_spec = importlib.util.spec_from_file_location(
+    "cpu_paged_attention", _CPU_TESTS / "test_paged_attention.py"
+)
+_paged = importlib.util.module_from_spec(_paged_spec)
+_paged_spec.loader.exec_module(_paged)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "dtype"), [(4, 2, 16, torch.float32), (32, 8, 128, torch.bfloat16)]
+)
+def test_paged_attention(heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
+    """The compiled paged-attention kernel against the torch reference, on CUDA (fp32 and the
+    8B shape's heads in bf16)."""
+    from outrider.kernels.paged_attention import paged_attention
+
+    q, k, v, meta, _, _ = _paged._batch(torch.Generator().manual_seed(heads), heads, kv_heads, dim)
+    q, k, v = (x.to("cuda", dtype) for x in (q, k, v))
+    meta = tuple(m.to("cuda") if isinstance(m, torch.Tensor) else m for m in meta)
+    ref = paged_attention(q, k, v, *meta, backend="torch").float()
+    got = paged_attention(q, k, v, *meta, backend="triton").float()
+    assert torch.allclose(got, ref, atol=1e-5 if dtype == torch.float32 else 2e-2)

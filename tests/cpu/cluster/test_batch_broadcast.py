@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from outrider.kernels.kv_compaction import extent_slot_map
 from outrider.target_worker.batch import SequenceChunk, build_forward_batch
 from outrider.target_worker.parallel import TPGroup, launch
 from outrider.target_worker.parallel.batch_broadcast import BatchBroadcaster, LeaderRunner, follow
@@ -33,7 +34,9 @@ def _greedy(runner, steps: int = 4) -> list[list[int]]:
     logits = runner.forward(batch).logits
     out[0].append(int(logits[0].argmax()))  # the root's next token (children are rejected here)
     out[1].append(int(logits[3].argmax()))
-    runner.cache.commit_paths(torch.full((2, 1), -1), torch.tensor([starts[0] + ctx[0], starts[1] + ctx[1]]))
+    runner.cache.compact(
+        torch.full((2, 1), -1), extent_slot_map(torch.tensor([starts[0] + ctx[0], starts[1] + ctx[1]]), 3)
+    )
     ctx = [c + 1 for c in ctx]
     for _ in range(steps):
         chunks = [SequenceChunk(s, c, torch.tensor(o[-1:])) for s, c, o in zip(starts, ctx, out, strict=True)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernels_testlib import random_trees
 
-from outrider.kernels.kv_compaction import compact_kv
+from outrider.kernels.kv_compaction import compact_kv, extent_slot_map
 from outrider.kernels.logits_processing import process_logits
 from outrider.kernels.tree_buffers import build_tree_buffers
 from outrider.kernels.verification import draw_verify_randoms, verify
@@ -57,10 +57,11 @@ def test_kv_compaction(triton_backend: str, device: str, shape: tuple[int, ...],
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(shape, generator=gen).to(device)
     accepted = torch.tensor([[2, 5, 6, -1], [1, 2, 3, 4], [-1, -1, -1, -1], [3, 4, 9, 12]], device=device)
-    roots = torch.tensor([0, 5, 10, 12], device=device)
+    slot_map = extent_slot_map(torch.tensor([0, 5, 10, 12], device=device), 13)
+    slot_map[3] = slot_map[3].flip(0)  # a scattered (paged) map: any one-to-one map is allowed
     ref = cache.clone()
-    compact_kv(ref, accepted, roots, slot_dim=dim, backend="torch")
-    compact_kv(cache, accepted, roots, slot_dim=dim, backend=triton_backend)
+    compact_kv(ref, accepted, slot_map, slot_dim=dim, backend="torch")
+    compact_kv(cache, accepted, slot_map, slot_dim=dim, backend=triton_backend)
     assert torch.equal(ref, cache)
 
 

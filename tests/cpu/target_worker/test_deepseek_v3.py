@@ -18,6 +18,7 @@ from deepseek_testlib import (
 )
 from target_runner_testlib import reference_logits, run_scenario
 
+from outrider.kernels.kv_compaction import extent_slot_map
 from outrider.target_worker.batch import SequenceChunk, build_forward_batch
 from outrider.target_worker.models.deepseek_v3 import DeepseekV3Model
 from outrider.target_worker.parallel import launch
@@ -101,7 +102,7 @@ def test_commit_tree_path_on_latent_cache(v3):
     tree = torch.randint(0, 97, (7,), generator=gen)  # node 0 = the root, the last committed token
     runner.forward(build_forward_batch([SequenceChunk(start, 7, tree, parents=torch.tensor(parents))]))
     accepted = [2, 4, 6]  # root -> 2 -> 4 -> 6
-    runner.cache.commit_paths(torch.tensor([accepted]), torch.tensor([start + 7]))
+    runner.cache.compact(torch.tensor([accepted]), extent_slot_map(torch.tensor([start + 7]), 7))
     context = prompt.tolist() + [int(tree[0])] + tree[accepted].tolist()
     bonus = torch.tensor([11])
     out = runner.forward(build_forward_batch([SequenceChunk(start, len(context), bonus)]))

@@ -167,7 +167,7 @@ def test_greedy_speculation_equals_plain(drafter, runner, prompts, plain, tiny_f
     stats = engine.stats
     assert stats.spec.num_drafts > 0
     assert stats.num_rounds < stats.num_output_tokens  # some rounds committed several tokens per sequence
-    assert runner.cache.free_rows == runner.cache.total_rows  # every extent was freed
+    assert not engine.blocks.tables and engine.blocks.num_free_blocks == engine.blocks.num_blocks
     if drafter == "random":
         assert stats.num_invalid_trees > 0 and stats.num_missing_trees > 0
         assert stats.spec.num_accepted_tokens > 0
@@ -199,7 +199,7 @@ def test_two_lanes_take_turns_and_change_nothing(drafter, runner, prompts, plain
     out = engine.generate(prompts, RequestParams(max_tokens=MAX_TOKENS))
     assert [c.token_ids for c in out] == plain
     assert engine.stats.spec.num_drafts > 0 and engine.stats.num_invalid_trees == 0
-    assert runner.cache.free_rows == runner.cache.total_rows
+    assert not engine.blocks.tables and engine.blocks.num_free_blocks == engine.blocks.num_blocks
     # Steps with 4 decoding sequences verify 2 of them: one lane, never the whole batch.
     assert any(len(ids) == 2 for ids in source.collected)
     assert not any(len(ids) == 4 for ids in source.collected)
@@ -223,7 +223,7 @@ def test_by_default_the_engine_measures_one_lane_against_two(runner, prompts, pl
     assert set(engine.lane_tuner.rates) == {1, 2} and engine.lane_tuner.switches >= 2
     sizes = {len(ids) for ids in source.collected}
     assert {2, 4} <= sizes  # steps of one lane and steps of the whole batch
-    assert runner.cache.free_rows == runner.cache.total_rows
+    assert not engine.blocks.tables and engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
 def test_the_lane_tuner_keeps_the_faster_mode_and_checks_the_other_now_and_then():

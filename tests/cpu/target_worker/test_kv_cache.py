@@ -6,6 +6,7 @@ import pytest
 import torch
 from target_runner_testlib import reference_logits
 
+from outrider.kernels.kv_compaction import extent_slot_map
 from outrider.target_worker.batch import SequenceChunk, build_forward_batch
 from outrider.target_worker.kv_cache import CacheFullError, KVCache, KVSpec
 from outrider.target_worker.runner import ModelRunner
@@ -13,39 +14,49 @@ from outrider.target_worker.runner import ModelRunner
 PARENTS = [-1, 0, 0, 1, 2, 2, 4, 3]  # node 0 = root; parents precede children
 
 
+# Paged layout for the two sequences: 4-slot blocks scattered (and interleaved) over the cache.
+TABLES = [[9, 2, 14, 5, 0], [7, 11, 3, 12, 1]]
+
+
+def _chunk(paged: bool, seq: int, start: int, context: int, tokens: torch.Tensor, **kw) -> SequenceChunk:
+    if paged:
+        return SequenceChunk(-1, context, tokens, blocks=TABLES[seq], block_size=4, **kw)
+    return SequenceChunk(start, context, tokens, **kw)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["extents", "paged"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_commit_path_then_decode_equals_recompute(family, checkpoints):
+def test_commit_path_then_decode_equals_recompute(family, paged, checkpoints):
     """Two trees verified in one forward, paths committed, then one decode step each:
-    logits equal a from-scratch forward of the committed tokens (and transformers)."""
+    logits equal a from-scratch forward of the committed tokens (and transformers), with
+    contiguous extents and with scattered block tables alike."""
     path, model = checkpoints[family]
     runner = ModelRunner.from_pretrained(path, max_model_len=48)
     gen = torch.Generator().manual_seed(5)
     vocab = model.config.vocab_size
     contexts = [torch.randint(0, vocab, (n,), generator=gen) for n in (6, 3)]
-    starts = [runner.cache.allocate(seq, 32) for seq in range(2)]
-    runner.forward(
-        build_forward_batch([SequenceChunk(s, 0, c) for s, c in zip(starts, contexts, strict=True)])
-    )
+    starts = [-1, -1] if paged else [runner.cache.allocate(seq, 32) for seq in range(2)]
+    runner.forward(build_forward_batch([_chunk(paged, b, starts[b], 0, contexts[b]) for b in range(2)]))
 
     trees = [torch.randint(0, vocab, (len(PARENTS),), generator=gen) for _ in range(2)]
     parents = torch.tensor(PARENTS)
-    chunks = [
-        SequenceChunk(s, len(c), t, parents=parents) for s, c, t in zip(starts, contexts, trees, strict=True)
-    ]
-    runner.forward(build_forward_batch(chunks))
+    batch = build_forward_batch(
+        [_chunk(paged, b, starts[b], len(contexts[b]), trees[b], parents=parents) for b in range(2)]
+    )
+    runner.forward(batch)
     # Sequence 0 accepts root -> 2 -> 4 -> 6 (rows move); sequence 1 accepts root -> 1 (no move).
     accepted = torch.tensor([[2, 4, 6], [1, -1, -1]])
-    roots = torch.tensor([s + len(c) for s, c in zip(starts, contexts, strict=True)])
-    runner.cache.commit_paths(accepted, roots)
+    slot_map = batch.cache_rows.view(2, len(PARENTS))  # each tree's nodes' rows, root first
+    if not paged:
+        assert torch.equal(slot_map, extent_slot_map(torch.tensor([starts[0] + 6, starts[1] + 3]), 8))
+    runner.cache.compact(accepted, slot_map)
 
     committed = [
         contexts[0].tolist() + trees[0][[0, 2, 4, 6]].tolist(),
         contexts[1].tolist() + trees[1][[0, 1]].tolist(),
     ]
     bonus = [int(torch.randint(0, vocab, (1,), generator=gen)) for _ in range(2)]
-    decode = [
-        SequenceChunk(s, len(c), torch.tensor([b])) for s, c, b in zip(starts, committed, bonus, strict=True)
-    ]
+    decode = [_chunk(paged, b, starts[b], len(committed[b]), torch.tensor([bonus[b]])) for b in range(2)]
     after_commit = runner.forward(build_forward_batch(decode)).logits
 
     fresh = ModelRunner.from_pretrained(path, max_model_len=48)
