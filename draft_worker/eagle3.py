@@ -188,7 +188,7 @@ class Eagle3Proposer(Proposer[EagleState]):
 
     def head_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] output hidden of the batch's rows; their K/V written to the cache."""
-        self.cache.check_rows(batch.kv_index, batch.kv_lens)
+        self.cache.check_rows(batch)
         self.forwards += 1
         return self.head(batch, hidden, self.cache.layers)
 

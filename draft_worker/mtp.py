@@ -280,7 +280,7 @@ class MTPProposer(Proposer[MTPState]):
 
     def _run(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, y) of the batch's rows; `hidden` [T, H] = each row's h_{p-1} or parent y."""
-        self.cache.check_rows(batch.kv_index, batch.kv_lens)
+        self.cache.check_rows(batch)
         with torch.inference_mode():
             return self.module.forward(batch, hidden, plan_attention(batch), self.cache.layers[0])
 

@@ -11,8 +11,9 @@ Every token has a *slot* (its index in the sequence's cache rows: context + i, s
 node i sits at slot context + i although siblings share a RoPE position) and a cache row:
 `row(s, slot)` is `start + slot` for a contiguous extent (`SequenceChunk.cache_start`, the
 drafters' caches) or `blocks[slot // block_size] * block_size + slot % block_size` for a paged
-sequence (`SequenceChunk.blocks`, the target's `BlockManager`). `kv_index` lists, per
-sequence, the rows of slots 0 .. kv_len - 1, which is all attention needs. After
+sequence (`SequenceChunk.blocks`, the target's `BlockManager`). Attention reads a sequence's
+slots 0 .. kv_len - 1 through `block_tables` (paged) or `kv_index` (extents: the row of each
+slot). After
 verification the accepted path is compacted (`kernels.compact_kv` over the tree's slots) and
 rejected rows are simply overwritten later.
 
@@ -48,7 +49,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64; RoPE position (context_len + depth for tree nodes)
     cache_rows: torch.Tensor  # [T] int64; absolute KV-cache row each token's K/V goes to
     cu_seqlens: tuple[int, ...]  # [B + 1]; sequence b owns tokens cu_seqlens[b]:cu_seqlens[b+1]
-    kv_index: torch.Tensor  # [B, max kv_len] int64; cache row of each slot b attends to (padded validly)
+    kv_index: (
+        torch.Tensor | None
+    )  # extents: [B, max kv_len] int64 row of each slot (padded validly); paged: None
     kv_lens: tuple[int, ...]  # [B]; slots b attends to: context + new tokens
     attn_masks: tuple[torch.Tensor | None, ...]  # [B]; [n_b, kv_lens[b]] bool or None = causal
     logits_rows: torch.Tensor | None = None  # [R] int64; rows of [T] to return logits for; None = all
@@ -90,59 +93,71 @@ def build_forward_batch(
     capture: HiddenCapture | None = None,
     device: torch.device | str = "cpu",
 ) -> ForwardBatch:
+    # Built from Python lists with one tensor per field: a round's batch is rebuilt every step,
+    # and a handful of small torch ops per sequence would cost more than the indexing itself.
     sizes = [int(c.token_ids.numel()) for c in chunks]
     cu = [0]
     for n in sizes:
         cu.append(cu[-1] + n)
-    positions, masks, logits_rows = [], [], []
     trees = [b for b, c in enumerate(chunks) if c.parents is not None]
     tree_positions, tree_masks = _tree_inputs([chunks[b] for b in trees], device)
     tree_of = {b: i for i, b in enumerate(trees)}
+    paged = _paged(chunks)
+    positions, rows, logits_rows, masks = [], [], [], []
     for b, (chunk, n) in enumerate(zip(chunks, sizes, strict=True)):
         ctx = chunk.context_len
         if b in tree_of:
-            positions.append(tree_positions[tree_of[b]])
+            positions.extend(tree_positions[tree_of[b]].tolist())
             masks.append(tree_masks[tree_of[b]])
         else:
-            positions.append(torch.arange(ctx, ctx + n, device=device))
+            positions.extend(range(ctx, ctx + n))
             masks.append(None)
+        if paged:  # slot -> row through the block table
+            table, size = chunk.blocks, chunk.block_size
+            rows.extend(table[slot // size] * size + slot % size for slot in range(ctx, ctx + n))
+        else:
+            rows.extend(range(chunk.cache_start + ctx, chunk.cache_start + ctx + n))
         all_rows = chunk.all_logits or b in tree_of
-        logits_rows.append(torch.arange(cu[b] if all_rows else cu[b + 1] - 1, cu[b + 1]))
+        logits_rows.extend(range(cu[b] if all_rows else cu[b + 1] - 1, cu[b + 1]))
     kv_lens = [c.context_len + n for c, n in zip(chunks, sizes, strict=True)]
-    kv_index, tables = slot_rows(chunks, kv_lens)  # [B, max kv_len], [B, max blocks] or None
-    # Token i of sequence b sits at slot context_b + i: its row is kv_index[b, context_b + i].
-    owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(sizes))  # [T]
-    first_slot = torch.tensor([c.context_len - cu[b] for b, c in enumerate(chunks)])  # [B]
-    slots = torch.arange(cu[-1]) + first_slot[owner]  # [T]
+    tables = _block_tables(chunks, kv_lens) if paged else None
     return ForwardBatch(
         input_ids=torch.cat([c.token_ids for c in chunks]).to(device=device, dtype=torch.int64),
-        positions=torch.cat(positions).to(device),
-        cache_rows=kv_index[owner, slots].to(device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        cache_rows=torch.tensor(rows, dtype=torch.int64, device=device),
         cu_seqlens=tuple(cu),
-        kv_index=kv_index.to(device),
+        kv_index=None
+        if paged
+        else extent_index(torch.tensor([c.cache_start for c in chunks]), kv_lens).to(device),
         kv_lens=tuple(kv_lens),
         block_tables=tables.to(device) if tables is not None else None,
-        block_size=chunks[0].block_size if tables is not None else 0,
+        block_size=chunks[0].block_size if paged else 0,
         attn_masks=tuple(masks),
-        logits_rows=torch.cat(logits_rows).to(device),
+        logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=device),
         capture=capture or HiddenCapture(),
     )
 
 
-def slot_rows(chunks: list[SequenceChunk], kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, max kv_len] int64: the cache row of each sequence's slots (past kv_len, the row of
-    its slot 0: a valid row that attention masks out); and the padded block tables, if paged."""
-    if all(c.blocks is None for c in chunks):  # contiguous extents
-        return extent_index(torch.tensor([c.cache_start for c in chunks]), kv_lens), None
-    width = max(kv_lens)
-    slot = torch.arange(width)[None, :].expand(len(chunks), width)  # [B, W]
-    slot = torch.where(slot < torch.tensor(kv_lens)[:, None], slot, 0)
-    block_size = next(c.block_size for c in chunks if c.blocks is not None)
-    num_blocks = max(len(c.blocks) if c.blocks is not None else 0 for c in chunks)
-    tables = torch.tensor(
-        [_table_of(c, n, block_size, num_blocks) for c, n in zip(chunks, kv_lens, strict=True)]
+def _paged(chunks: list[SequenceChunk]) -> bool:
+    kinds = {c.blocks is not None for c in chunks}
+    if len(kinds) > 1:
+        raise ValueError("one forward batch cannot mix paged sequences and contiguous extents")
+    return kinds == {True}
+
+
+def _block_tables(chunks: list[SequenceChunk], kv_lens: list[int]) -> torch.Tensor:
+    """[B, max blocks] int64: each chunk's block table, padded with its first block."""
+    size = chunks[0].block_size
+    width = max(len(c.blocks) for c in chunks)
+    for chunk, kv_len in zip(chunks, kv_lens, strict=True):
+        if chunk.block_size != size or len(chunk.blocks) * size < kv_len:
+            raise ValueError(
+                f"a paged chunk needs blocks of {size} slots covering its {kv_len} slots; "
+                f"it has {len(chunk.blocks)} of {chunk.block_size}"
+            )
+    return torch.tensor(
+        [c.blocks + c.blocks[:1] * (width - len(c.blocks)) for c in chunks], dtype=torch.int64
     )
-    return tables.gather(1, slot // block_size) * block_size + slot % block_size, tables
 
 
 def extent_index(starts: torch.Tensor, kv_lens: list[int]) -> torch.Tensor:
@@ -150,18 +165,6 @@ def extent_index(starts: torch.Tensor, kv_lens: list[int]) -> torch.Tensor:
     slot = torch.arange(max(kv_lens), device=starts.device)[None, :]
     lens = torch.tensor(kv_lens, device=starts.device)[:, None]
     return starts.to(torch.int64)[:, None] + torch.where(slot < lens, slot, 0)
-
-
-def _table_of(chunk: SequenceChunk, kv_len: int, block_size: int, num_blocks: int) -> list[int]:
-    """A chunk's block table, padded to `num_blocks` with its first block."""
-    if chunk.blocks is None:
-        raise ValueError("one forward batch cannot mix paged sequences and contiguous extents")
-    if chunk.block_size != block_size or len(chunk.blocks) * block_size < kv_len:
-        raise ValueError(
-            f"a paged chunk needs blocks of {block_size} slots covering its {kv_len} slots; "
-            f"it has {len(chunk.blocks)} of {chunk.block_size}"
-        )
-    return chunk.blocks + [chunk.blocks[0]] * (num_blocks - len(chunk.blocks))
 
 
 def _tree_inputs(

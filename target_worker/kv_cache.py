@@ -8,7 +8,7 @@ Two ways to hand out rows, one per kind of user:
 
 - **Paged** (the target engine): `block_manager.BlockManager` cuts the rows into blocks of
   block_size and gives each sequence a block table; it lives on the engine (TP rank 0) only,
-  since every forward names its rows (`ForwardBatch.cache_rows`, `kv_index`).
+  since every forward names its rows (`ForwardBatch.cache_rows`, `block_tables`).
 - **Extents** (`allocate`; the drafters' own caches and tools): one contiguous extent per
   sequence with its most rows, first-fit with coalescing of freed neighbours. A drafter's
   sequence needs a bounded number of rows (a window of its context) and reads them as one
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from outrider.kernels.kv_compaction import compact_kv
+from outrider.target_worker.batch import ForwardBatch
 
 
 class CacheFullError(RuntimeError):
@@ -112,14 +113,15 @@ class KVCache:
     def largest_free_extent(self) -> int:
         return max((length for _, length in self._free), default=0)
 
-    def check_rows(self, kv_index: torch.Tensor, kv_lens: tuple[int, ...]) -> None:
-        """Refuses a batch that would read or write past a sequence's extent (extent users:
-        a sequence's first row is its extent's start) or past the cache (paged users)."""
-        if not self._extents:
-            if kv_index.numel() and not 0 <= int(kv_index.min()) <= int(kv_index.max()) < self.total_rows:
-                raise ValueError(f"a forward names KV rows outside the cache's {self.total_rows}")
+    def check_rows(self, batch: ForwardBatch) -> None:
+        """Refuses a batch that would read or write past a sequence's extent (extents: a
+        sequence's first row is its extent's start) or past the cache (block tables)."""
+        if batch.block_tables is not None:
+            blocks = self.total_rows // batch.block_size
+            if not 0 <= int(batch.block_tables.min()) <= int(batch.block_tables.max()) < blocks:
+                raise ValueError(f"a forward names KV blocks outside the cache's {blocks}")
             return
-        for start, kv_len in zip(kv_index[:, 0].tolist(), kv_lens, strict=True):
+        for start, kv_len in zip(batch.kv_index[:, 0].tolist(), batch.kv_lens, strict=True):
             length = self._length_at.get(start)
             if length is None:
                 raise ValueError(f"no sequence holds a KV extent starting at row {start}")

@@ -66,5 +66,5 @@ class ModelRunner:
             raise ValueError(
                 f"a sequence reaches {max(batch.kv_lens)} tokens; max_model_len is {self.max_model_len}"
             )
-        self.cache.check_rows(batch.kv_index, batch.kv_lens)
+        self.cache.check_rows(batch)
         return self.model.forward(batch, plan_attention(batch), self.cache.layers)

@@ -49,6 +49,7 @@ class AttentionGroup:
     out_rows: torch.Tensor | None  # [T_g] rows of [T] the real queries fill; None = all of [T] in order
     out_take: torch.Tensor | None  # [T_g] their positions in the group's flattened [G * n_max]
     block_size: int = 0
+    kv_len: int = 0  # kv_max: slots gathered per sequence (whole blocks are read, then cut to it)
 
     def gather(self, cache: torch.Tensor) -> torch.Tensor:
         """[rows, *shape] cache -> [G, kv_max, *shape]: each sequence's slots, in order."""
@@ -58,7 +59,7 @@ class AttentionGroup:
         size = self.block_size
         blocks = cache[: cache.shape[0] // size * size].view(-1, size * cache[0].numel())
         picked = blocks.index_select(0, self.kv_blocks.reshape(-1))  # [G * blocks, size * row]
-        return picked.view(g, num_blocks * size, *cache.shape[1:])
+        return picked.view(g, num_blocks * size, *cache.shape[1:])[:, : self.kv_len]
 
 
 @dataclass(frozen=True)
@@ -86,20 +87,20 @@ def _length_class(n: int) -> int:
 
 
 def plan_attention(batch: ForwardBatch) -> AttentionPlan:
-    cu = torch.tensor(batch.cu_seqlens)
-    sizes = (cu[1:] - cu[:-1]).tolist()
+    cu = batch.cu_seqlens
+    sizes = [cu[b + 1] - cu[b] for b in range(len(cu) - 1)]
     classes: dict[int, list[int]] = {}
     for b, n in enumerate(sizes):
         classes.setdefault(_length_class(n), []).append(b)
-    groups = tuple(_plan_group(batch, members, cu, sizes) for _, members in sorted(classes.items()))
+    groups = tuple(_plan_group(batch, members, sizes) for _, members in sorted(classes.items()))
     paged = None
-    if batch.block_tables is not None and use_triton(None, batch.kv_index.device):
+    if batch.block_tables is not None and use_triton(None, batch.cache_rows.device):
         paged = _paged_tokens(batch, sizes)
     return AttentionPlan(groups, batch.num_tokens, paged)
 
 
 def _paged_tokens(batch: ForwardBatch, sizes: list[int]) -> PagedTokens:
-    device = batch.kv_index.device
+    device = batch.cache_rows.device
     n = torch.tensor(sizes)
     context = torch.tensor(batch.kv_lens) - n  # [B]
     token_seq = torch.repeat_interleave(torch.arange(len(sizes)), n)  # [T]
@@ -125,25 +126,22 @@ def _paged_tokens(batch: ForwardBatch, sizes: list[int]) -> PagedTokens:
     )
 
 
-def _plan_group(
-    batch: ForwardBatch, members: list[int], cu: torch.Tensor, sizes: list[int]
-) -> AttentionGroup:
-    device = batch.kv_index.device
-    index = torch.tensor(members)
-    n = torch.tensor([sizes[b] for b in members])  # [G]
-    kv = torch.tensor([batch.kv_lens[b] for b in members])  # [G]
-    n_max, kv_max = int(n.max()), int(kv.max())
-    size = batch.block_size
-    if batch.block_tables is not None:  # gather whole blocks: the padded width is a multiple of them
-        kv_max = -(-kv_max // size) * size
-    row = torch.arange(n_max)
-    q_index = cu[index][:, None] + torch.minimum(row[None, :], n[:, None] - 1)  # [G, n_max]
-    trees = [b for b in members if batch.attn_masks[b] is not None]
-    fresh = not trees and bool((kv == n).all()) and bool((n == n_max).all()) and bool((kv == kv_max).all())
+def _plan_group(batch: ForwardBatch, members: list[int], sizes: list[int]) -> AttentionGroup:
+    """One length class's call; Python lists until the few tensors it needs (it runs every
+    forward, and per-sequence torch ops on tiny tensors would cost more than the work)."""
+    device, cu = batch.cache_rows.device, batch.cu_seqlens
+    n = [sizes[b] for b in members]
+    kv = [batch.kv_lens[b] for b in members]
+    n_max, kv_max = max(n), max(kv)
+    q_index = [[cu[b] + min(i, nb - 1) for i in range(n_max)] for b, nb in zip(members, n, strict=True)]
+    trees = any(batch.attn_masks[b] is not None for b in members)
+    equal = all(x == n_max for x in n) and all(x == kv_max for x in kv)
+    fresh = not trees and equal and kv_max == n_max  # fresh prefills of one length: SDPA's causal flag
     mask = None
-    if not fresh and (n_max > 1 or bool((kv != kv_max).any())):
+    if not fresh and (n_max > 1 or not equal):
+        n_t, kv_t, row = torch.tensor(n), torch.tensor(kv), torch.arange(n_max)
         # Query i (clamped to the real ones) of a chain sees slots 0 .. kv - n + i.
-        last = (kv - n)[:, None] + torch.minimum(row[None, :], n[:, None] - 1)  # [G, n_max]
+        last = (kv_t - n_t)[:, None] + torch.minimum(row[None, :], n_t[:, None] - 1)  # [G, n_max]
         mask = torch.arange(kv_max)[None, None, :] <= last[:, :, None]  # [G, n_max, kv_max]
         for g, b in enumerate(members):
             tree = batch.attn_masks[b]
@@ -153,18 +151,31 @@ def _plan_group(
                 mask[g, :m, k:] = False
                 mask[g, m:] = mask[g, m - 1]
         mask = mask[:, None].to(device)
-    padded = bool((n != n_max).any())
-    whole = len(members) == len(sizes) and not padded  # every token, in order: no scatter
-    take = (torch.arange(len(members))[:, None] * n_max + row[None, :])[row[None, :] < n[:, None]]
+    whole = len(members) == len(sizes) and all(x == n_max for x in n)  # every token, in order
+    out_rows, out_take = None, None
+    if not whole:
+        real = [(g, i) for g, nb in enumerate(n) for i in range(nb)]
+        out_rows = torch.tensor([q_index[g][i] for g, i in real], device=device)
+        out_take = torch.tensor([g * n_max + i for g, i in real], device=device)
+    size, kv_index, kv_blocks = batch.block_size, None, None
+    if batch.block_tables is not None:
+        num_blocks = -(-kv_max // size)
+        tables = batch.block_tables
+        if len(members) != tables.shape[0]:
+            tables = tables[torch.tensor(members, device=device)]
+        kv_blocks = tables[:, :num_blocks]
+    else:
+        kv_index = batch.kv_index[torch.tensor(members, device=device), :kv_max]
     return AttentionGroup(
-        q_index=q_index.to(device),
-        kv_index=batch.kv_index[index.to(device), :kv_max] if size == 0 else None,
-        kv_blocks=batch.block_tables[index.to(device), : kv_max // size] if size else None,
+        q_index=torch.tensor(q_index, device=device),
+        kv_index=kv_index,
+        kv_blocks=kv_blocks,
         block_size=size,
+        kv_len=kv_max,
         mask=mask,
         causal=fresh and n_max > 1,
-        out_rows=None if whole else q_index[row[None, :] < n[:, None]].to(device),
-        out_take=None if whole else take.to(device),
+        out_rows=out_rows,
+        out_take=out_take,
     )
 
 

@@ -8,8 +8,8 @@ CPU, NCCL on GPU), never pickled objects (docs/architecture.md, "Invariants"):
 
     header [11] int64:  op | a | b | c | d | e | f | g | h | i | j    (sizes of what follows)
     FORWARD             ints = input_ids | positions | cache_rows | cu_seqlens | kv_lens |
-                               logits_rows | capture layers | mask flags [B] | kv_index [B, h] |
-                               block_tables [B, i] (paged; j = block_size)
+                               logits_rows | capture layers | mask flags [B] | kv_index [B, h]
+                               (extents) | block_tables [B, i] (paged; j = block_size)
                         masks = every given attention mask, flattened, as uint8
     ALLOCATE            a = seq_id, b = rows            FREE  a = seq_id
     COMMIT              ints = accepted_node_ids [a, b] | slot_map [a, c]
@@ -56,9 +56,9 @@ class BatchBroadcaster:
             batch.logits_rows if batch.logits_rows is not None else torch.empty(0, dtype=torch.int64)
         )
         layers = list(batch.capture.layer_inputs)
-        tables = (
-            batch.block_tables if batch.block_tables is not None else torch.empty(0, 0, dtype=torch.int64)
-        )
+        none = torch.empty(0, 0, dtype=torch.int64)
+        tables = batch.block_tables if batch.block_tables is not None else none
+        kv_index = batch.kv_index if batch.kv_index is not None else none
         ints = torch.cat(
             [
                 batch.input_ids.to(self.device, torch.int64),
@@ -67,7 +67,7 @@ class BatchBroadcaster:
                 torch.tensor([*batch.cu_seqlens, *batch.kv_lens], device=self.device),
                 logits_rows.to(self.device, torch.int64),
                 torch.tensor(layers + [int(f) for f in flags], dtype=torch.int64, device=self.device),
-                batch.kv_index.reshape(-1).to(self.device, torch.int64),
+                kv_index.reshape(-1).to(self.device, torch.int64),
                 tables.reshape(-1).to(self.device, torch.int64),
             ]
         )
@@ -75,7 +75,7 @@ class BatchBroadcaster:
         no_logits_rows = int(batch.logits_rows is None)
         self._header(
             FORWARD, batch.num_tokens, batch.batch_size, logits_rows.numel(), no_logits_rows, len(layers),
-            int(batch.capture.final), mask_numel, batch.kv_index.shape[1], tables.shape[1], batch.block_size,
+            int(batch.capture.final), mask_numel, kv_index.shape[1], tables.shape[1], batch.block_size,
         )  # fmt: skip
         self._bcast(ints)
         if mask_numel:
@@ -140,7 +140,7 @@ class BatchBroadcaster:
             positions=positions,
             cache_rows=cache_rows,
             cu_seqlens=tuple(cu_l),
-            kv_index=kv_index.reshape(b, width),
+            kv_index=kv_index.reshape(b, width) if width else None,
             block_tables=tables.reshape(b, num_blocks) if block_size else None,
             block_size=block_size,
             kv_lens=tuple(lens_l),
