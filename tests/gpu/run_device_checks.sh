@@ -7,7 +7,8 @@
 #    the target runner on CUDA vs CPU, the DeepSeek-V3 runner on CUDA, and every drafting
 #    method on CUDA with greedy output equal to plain decoding (tiny demo family + heads);
 # 2. benchmarks/verify_microbench.py --full: torch vs Triton verification;
-# 3. benchmarks/gpu_verify_cost.py: tree-verify cost vs a 1-token decode, Llama-8B shape.
+# 3. benchmarks/gpu_verify_cost.py: the 32-layer Llama-3.1-8B shape (random bf16), paged: decode ms at
+#    batch 1/16/64 as a share of the bandwidth bound, tree verify vs decode, transformers generate.
 # Logs and result files go to $OUT (default ./out). Wheels in .whl/ (e.g. a newer protobuf
 # than the machine has) are installed to /tmp/site first, for machines with no index.
 set -uo pipefail
@@ -44,6 +45,6 @@ if [ "${MICROBENCH:-1}" = 1 ]; then
     step 100 python3 -m outrider.benchmarks.verify_microbench --full --repeats 5
     cp benchmarks/results/verify_microbench_cuda.* "$OUT"/ 2>/dev/null
 fi
-step 150 python3 -m outrider.benchmarks.gpu_verify_cost --layers "${LAYERS:-4}" --context "${CONTEXT:-512}"
+step 420 python3 -m outrider.benchmarks.gpu_verify_cost --layers "${LAYERS:-32}" --context "${CONTEXT:-512}"
 cp benchmarks/results/gpu_verify_cost.* "$OUT"/ 2>/dev/null
 exit $status
