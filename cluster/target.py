@@ -45,6 +45,7 @@ class TargetWorker:
         import torch
 
         from outrider.target_worker.engine import Engine
+        from outrider.target_worker.grammar import GrammarBackend
 
         self.model, self.args = model, load_args(args)
         engine_args = self.args.engine
@@ -58,12 +59,13 @@ class TargetWorker:
         self.engine = Engine(
             runner,
             self.draft_source,
-            eos_token_id=model.eos_token_id,
+            eos_token_id=model.eos_token_ids,
             max_batch=engine_args.max_num_seqs,
             tree_budget=ceiling,
             budget_policy=budget_policy,
             draft_timeout_s=self.args.draft_pool.round_deadline_ms / 1000,
             seed_key=seed_key or engine_args.seed_key(),
+            grammars=GrammarBackend(model.tokenizer_dir, model.vocab_size, model.eos_token_ids),
         )
         self.loop = EngineLoop(self.engine, engine_args.max_num_seqs, engine_args.max_queued_requests)
         self.replica = context.replica_id.unique_id
@@ -104,6 +106,7 @@ class TargetWorker:
                     token_ids=tuple(output.new_token_ids),
                     finish_reason=output.finish_reason,
                     snapshot=self._snapshot() if finished else None,
+                    logprobs=None if output.logprobs is None else tuple(output.logprobs),
                 )
         finally:
             if not finished:  # cancelled by the ingress (client gone, stop string hit)

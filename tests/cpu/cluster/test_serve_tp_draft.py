@@ -35,7 +35,7 @@ def _plain_greedy(family, prompt: str, max_tokens: int) -> str:
     runner = ModelRunner.from_pretrained(
         model.target_dir, max_model_len=model.max_model_len, kv_cache_rows=512
     )
-    engine = Engine(runner, None, eos_token_id=model.eos_token_id)
+    engine = Engine(runner, None, eos_token_id=model.eos_token_ids)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     (done,) = engine.generate([ids], RequestParams(max_tokens=max_tokens))
     return tokenizer.decode(done.token_ids, skip_special_tokens=True)
