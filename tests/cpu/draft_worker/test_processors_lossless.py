@@ -54,7 +54,9 @@ def reference_probs(model_dir, prompt, out, params: RequestParams, processed: bo
     return process_logits(flat, torch.full((rows,), params.temperature), min_p=min_p).view(n, k, -1)
 
 
-def process_row(row: torch.Tensor, prompt: list[int], output: list[int], params: RequestParams) -> torch.Tensor:
+def process_row(
+    row: torch.Tensor, prompt: list[int], output: list[int], params: RequestParams
+) -> torch.Tensor:
     """vLLM's logit_bias, then repetition, frequency and presence penalties, token by token."""
     for token, bias in params.logit_bias:
         row[token] += bias
@@ -72,14 +74,20 @@ def test_sampled_tokens_follow_the_processed_target(tiny_family, case):
     runner = ModelRunner.from_pretrained(tiny_family.target_dir, max_model_len=40, kv_cache_rows=n * 48)
     # The model's own greedy text: tokens it likes, and loops, so penalties move real mass.
     seed_tokens = torch.randint(3, 2048, (4,), generator=torch.Generator().manual_seed(5)).tolist()
-    greedy = Engine(runner, eos_token_id=None).generate([seed_tokens], RequestParams(max_tokens=20, ignore_eos=True))
+    greedy = Engine(runner, eos_token_id=None).generate(
+        [seed_tokens], RequestParams(max_tokens=20, ignore_eos=True)
+    )
     prompt = seed_tokens + greedy[0].token_ids
     params = [
         RequestParams(max_tokens=k, temperature=1.0, seed=s, ignore_eos=True, **CASES[case]) for s in range(n)
     ]
     config = {"method": "draft_model", "model": str(tiny_family.draft_dir), "num_speculative_tokens": 3}
-    proposer = build_proposer({**config, "tree_top_k": 2, "tree_max_nodes": 8}, vocab_size=runner.model.vocab_size)
-    eng = Engine(runner, InProcessDraftSource(proposer), eos_token_id=None, max_batch=n, max_prefill_tokens=n * 48)
+    proposer = build_proposer(
+        {**config, "tree_top_k": 2, "tree_max_nodes": 8}, vocab_size=runner.model.vocab_size
+    )
+    eng = Engine(
+        runner, InProcessDraftSource(proposer), eos_token_id=None, max_batch=n, max_prefill_tokens=n * 48
+    )
     out = torch.tensor([c.token_ids for c in eng.generate([prompt] * n, params)])  # [N, K]
     assert eng.stats.spec.num_drafts > 0 and eng.stats.spec.num_accepted_tokens > 0
 
