@@ -117,7 +117,10 @@ def grammar_from_fields(
             name = f"guided_{key}" if field == "guided" else f"structured_outputs.{key}"
             specs.append((name, _vllm_spec(name, key, value)))
     if len(specs) > 1:
-        raise ValueError(f"{specs[1][0]}: one structured output constraint per request (also {specs[0][0]})")
+        first, second = specs[0][0], specs[1][0]
+        raise ValueError(
+            f"{second.split('.')[0]}: one structured output constraint per request ({first}, {second})"
+        )
     if not specs:
         return None
     name, spec = specs[0]
