@@ -342,11 +342,15 @@ def test_tools_and_response_format_are_refused_not_ignored(base_url):
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
     cases = [
         ({"tools": [tool]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
     ]
     for extra, param in cases:
         status, _, data = send(base_url, "/v1/chat/completions", json.dumps(base | extra).encode())
         assert status == 400 and json.loads(data)["error"]["param"] == param, data
-    for extra in ({"tools": [tool], "tool_choice": "none"}, {"response_format": {"type": "text"}}):
+    for extra in (
+        {"tools": [tool], "tool_choice": "none"},
+        {"response_format": {"type": "text"}},
+        {"response_format": {"type": "json_object"}},
+    ):
         status, _, data = send(base_url, "/v1/chat/completions", json.dumps(base | extra).encode())
         assert status == 200, data
