@@ -7,7 +7,7 @@ A tree node at depth d predicts the token after it, in the context
 so each processor is applied to each node's logits row with *that* context: penalties count
 the node's path, min_tokens counts its depth, the grammar matcher is advanced along it (and
 rolled back after). p at every node is then exactly what plain decoding computes once it has
-emitted that path, and verification stays lossless (docs/algorithms.md section 1d). Counting
+emitted that path, and verification stays lossless (docs/algorithms.md section 2d). Counting
 only the committed tokens (the last accepted token's context for the whole tree) would make
 the effective penalty about nominal / acceptance length, as SGLang's does.
 
