@@ -158,7 +158,7 @@ def _vllm_spec(name: str, key: str, value: Any) -> GrammarSpec:
 
 
 def _json_schema(schema: dict[str, Any]) -> GrammarSpec:
-    return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True))  # one cache key per schema
+    return GrammarSpec("json_schema", json.dumps(schema))  # key order kept: properties come out in it
 
 
 # ------------------------------------------------------------------------------ logprobs out

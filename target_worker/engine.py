@@ -180,6 +180,9 @@ class Engine:
             raise ValueError("stop strings need an engine built with `detokenize`")
         if params.grammar is not None and self.grammars is None:
             raise ValueError("structured output needs an engine built with `grammars`")
+        named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+        if not all(0 <= t < self.vocab_size for t in named):
+            raise ValueError(f"logit_bias and stop_token_ids must be token ids in [0, {self.vocab_size})")
         need, most = self._rows_needed(len(prompt), params), self._max_rows()
         if need > most:
             raise CacheFullError(

@@ -127,6 +127,8 @@ def grammar_allowed(matcher, tokens: list[int], parents: list[int], vocab: int) 
     children: list[list[int]] = [[] for _ in range(n)]
     for i in range(1, n):
         children[parents[i]].append(i)
+    if matcher.is_terminated():  # complete, and its stop token is not one of the model's
+        return allowed
     allowed[0] = allowed_tokens(matcher, vocab)
     stack = [(c, True) for c in reversed(children[0])]
     while stack:

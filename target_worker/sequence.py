@@ -31,6 +31,8 @@ class GrammarMatcherLike(Protocol):
 
     def accept_token(self, token_id: int) -> bool: ...
 
+    def is_terminated(self) -> bool: ...
+
 
 MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's top_logprobs limit)
 
@@ -184,7 +186,7 @@ class Sequence:
         for token in new_tokens:
             if self.grammar is not None:
                 self.grammar.accept_token(token)
-            if token in self.stop_ids:
+            if token in self.stop_ids or (self.grammar is not None and self.grammar.is_terminated()):
                 self.finish_reason, self.stop_reason = "stop", token
                 break
             self.tokens.append(token)

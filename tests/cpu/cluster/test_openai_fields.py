@@ -114,11 +114,11 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
         ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object", "")),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
-            GrammarSpec("json_schema", json.dumps(SCHEMA, sort_keys=True)),
+            GrammarSpec("json_schema", json.dumps(SCHEMA)),
         ),
         (
             {"structured_outputs": {"json": SCHEMA}},
-            GrammarSpec("json_schema", json.dumps(SCHEMA, sort_keys=True)),
+            GrammarSpec("json_schema", json.dumps(SCHEMA)),
         ),
         ({"structured_outputs": {"regex": "[a-z]+"}}, GrammarSpec("regex", "[a-z]+")),
         ({"structured_outputs": {"choice": ["a", "b"]}}, GrammarSpec("choice", '["a", "b"]')),
