@@ -233,10 +233,6 @@ class OpenAIIngress:
         for field, token in req.token_ids_used():
             if token >= self.model.vocab_size:
                 raise ApiError(400, f"{field}: token id {token} is outside the vocabulary", field)
-        if not chat and req.echo and req.logprobs is not None:
-            raise ApiError(
-                400, "logprobs: prompt logprobs (echo with logprobs) are not implemented", "logprobs"
-            )
         try:
             return req.grammar()
         except ValueError as e:
@@ -320,7 +316,7 @@ class OpenAIIngress:
         async for chunk in stream:
             text = detok.add(chunk.token_ids)
             reason = chunk.finish_reason
-            logprobs = chunk.logprobs or ()
+            logprobs = (chunk.prompt_logprobs or ()) + (chunk.logprobs or ())  # echo: the prompt's first
             if chunk.snapshot is not None:
                 self.metrics.snapshot(chunk.snapshot)
             if detok.stopped:
@@ -331,12 +327,22 @@ class OpenAIIngress:
             if reason:
                 return
 
-    def _logprobs(self, req: SamplingFields, entries: list, chat: bool, offset: int) -> dict[str, Any] | None:
-        """The choice's `logprobs` object in the endpoint's shape, or None if not asked for."""
+    def _logprobs(
+        self, req: SamplingFields, entries: list, chat: bool, offset: int, echo: bool = False
+    ) -> dict[str, Any] | None:
+        """The choice's `logprobs` object in the endpoint's shape, or None if not asked for.
+        `echo`: the entries start with the prompt's (its first token has no logprob: null)."""
         if req.num_logprobs is None:
             return None
         decode = self._token_text
-        return chat_logprobs(entries, decode) if chat else completion_logprobs(entries, decode, offset)
+        if chat:
+            return chat_logprobs(entries, decode)
+        return completion_logprobs(entries, decode, offset, self._first_prompt_token(req) if echo else None)
+
+    def _first_prompt_token(self, req: CompletionRequest) -> int:
+        if isinstance(req.prompt, list):
+            return req.prompt[0]
+        return self.tokenizer.encode(req.prompt, add_special_tokens=False)[0]
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -352,11 +358,10 @@ class OpenAIIngress:
                 reason = finished or reason
                 entries.extend(logprobs)
             text = "".join(parts)
-            echoed = len(self._echo(req)) if not chat and req.echo else 0
             choice = {
                 "index": index,
                 "finish_reason": reason,
-                "logprobs": self._logprobs(req, entries, chat, echoed),
+                "logprobs": self._logprobs(req, entries, chat, 0, echo=not chat and req.echo),
             }
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -389,7 +394,7 @@ class OpenAIIngress:
 
         async def pump(index: int, stream) -> None:
             times: list[float] = []
-            reason, chars = "abort", len(self._echo(req)) if not chat and req.echo else 0
+            reason, chars, echo = "abort", 0, not chat and req.echo
             try:
                 if chat:
                     await merged.put((index, {"role": "assistant", "content": ""}, None, None))
@@ -400,8 +405,9 @@ class OpenAIIngress:
                     counts[index] += n
                     reason = finished or reason
                     if text or finished or logprobs:
-                        scores = self._logprobs(req, list(logprobs), chat, chars)
-                        chars += sum(len(self._token_text(e.token_id)) for e in logprobs)
+                        scores = self._logprobs(req, list(logprobs), chat, chars, echo)
+                        chars += sum(len(t) for t in (scores or {}).get("tokens", ()))
+                        echo = False  # the prompt's logprobs come with the first tokens only
                         await merged.put((index, {"content": text} if chat else text, finished, scores))
             except Exception as e:  # reported in-band: the 200 status is already sent
                 await merged.put((index, _as_api_error(e), None, None))

@@ -44,6 +44,7 @@ class StreamChunk:
     admitted: bool = False
     snapshot: ReplicaSnapshot | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # [num_new_tokens], when the request asked
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # [num_prompt - 1], with the first tokens (echo)
 
 
 @dataclass(frozen=True)

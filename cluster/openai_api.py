@@ -127,6 +127,7 @@ class SamplingFields(BaseModel):
             logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
             grammar=grammar,
             logprobs=self.num_logprobs,
+            prompt_logprobs=self.num_logprobs if getattr(self, "echo", False) else None,
         )
 
 

@@ -164,17 +164,21 @@ def _json_schema(schema: dict[str, Any]) -> GrammarSpec:
 # ------------------------------------------------------------------------------ logprobs out
 
 
-def completion_logprobs(entries: list[TokenLogprob], decode, offset: int) -> dict[str, Any]:
-    """The legacy completions shape: parallel lists, top_logprobs as {token text: logprob}."""
-    tokens = [decode(e.token_id) for e in entries]
+def completion_logprobs(
+    entries: list[TokenLogprob], decode, offset: int, first_token: int | None = None
+) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists, top_logprobs as {token text: logprob}.
+    `first_token`: echo's first prompt token, which has no logprob (null, as OpenAI's)."""
+    tokens = ([] if first_token is None else [decode(first_token)]) + [decode(e.token_id) for e in entries]
     offsets, at = [], offset
     for text in tokens:
         offsets.append(at)
         at += len(text)
+    head: list[Any] = [] if first_token is None else [None]
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{decode(t): lp for t, lp in e.top} for e in entries],
+        "token_logprobs": head + [e.logprob for e in entries],
+        "top_logprobs": head + [{decode(t): lp for t, lp in e.top} for e in entries],
         "text_offset": offsets,
     }
 

@@ -107,6 +107,7 @@ class TargetWorker:
                     finish_reason=output.finish_reason,
                     snapshot=self._snapshot() if finished else None,
                     logprobs=None if output.logprobs is None else tuple(output.logprobs),
+                    prompt_logprobs=None if output.prompt_logprobs is None else tuple(output.prompt_logprobs),
                 )
         finally:
             if not finished:  # cancelled by the ingress (client gone, stop string hit)

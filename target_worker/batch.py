@@ -73,6 +73,9 @@ class SequenceChunk:
     token_ids: torch.Tensor  # [n] int64; for a tree, node 0 is the root
     parents: torch.Tensor | None = None  # [n] int64 local parents, -1 at the root; None = chain
     all_logits: bool = False  # chains: logits of every token, not only the last (trees: always)
+    # Logits of the first `prompt_logits` tokens too, returned after every chunk's own rows, so
+    # the rows verification reads keep their places (prompt logprobs).
+    prompt_logits: int = 0
 
 
 def build_forward_batch(
@@ -98,6 +101,9 @@ def build_forward_batch(
             masks.append(None)
         all_rows = chunk.all_logits or b in tree_of
         logits_rows.append(torch.arange(cu[b] if all_rows else cu[b + 1] - 1, cu[b + 1]))
+    logits_rows += [
+        torch.arange(cu[b], cu[b] + c.prompt_logits) for b, c in enumerate(chunks) if c.prompt_logits
+    ]
     rows = [
         torch.arange(c.cache_start + c.context_len, c.cache_start + c.context_len + n)
         for c, n in zip(chunks, sizes, strict=True)

@@ -61,7 +61,7 @@ from outrider.target_worker.drafter_features import capture_for, gather_features
 from outrider.target_worker.kv_cache import CacheFullError
 from outrider.target_worker.lanes import LaneTuner, lane_to_verify
 from outrider.target_worker.logits_processors import apply_logits_processors
-from outrider.target_worker.round_outputs import append_outputs, stop_ids_for
+from outrider.target_worker.round_outputs import append_outputs, record_prompt_logprobs, stop_ids_for
 from outrider.target_worker.round_plan import RoundPlan, plan_round, root_only_tree
 from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import RequestOutput, RequestParams, Sequence
@@ -249,6 +249,7 @@ class Engine:
         out = self.runner.forward(plan.forward)
         features = gather_features(out, self.features, self.runner.model.num_layers) if self.capture else None
         self._count(plan)
+        record_prompt_logprobs(plan, out.logits)  # echo's prompt logprobs, before the chunks are filled
         outputs = []
         if plan.trees is not None:
             # 3. Verify every tree against p (after each request's temperature/top-k/top-p).

@@ -49,6 +49,7 @@ def append_outputs(
         if seq.params.logprobs is not None:
             nodes = [0] + accepted[b][: len(new) - 1]  # the node that predicted each emitted token
             logprobs = token_logprobs(logits[[tree_starts[b] + n for n in nodes]], new, seq.params.logprobs)
+        prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # sent once, with the first output
         outputs.append(
             RequestOutput(
                 request_id=seq.seq_id,
@@ -58,9 +59,23 @@ def append_outputs(
                 stop_reason=seq.stop_reason,
                 text=seq.text if detokenize else None,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         )
     return outputs
+
+
+def record_prompt_logprobs(plan: RoundPlan, logits: torch.Tensor) -> None:
+    """The logprobs of the prompt tokens this forward predicted (raw logits: no processor acts
+    on the prompt), kept on each sequence until its first output goes out."""
+    row = plan.prompt_logits_start
+    for seq, count in plan.prompt_logits:
+        first = seq.num_cached + 1  # the prompt token the chunk's first row predicts
+        entries = token_logprobs(
+            logits[row : row + count], seq.tokens[first : first + count], seq.params.prompt_logprobs
+        )
+        seq.prompt_logprobs = (seq.prompt_logprobs or []) + entries
+        row += count
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

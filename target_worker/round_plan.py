@@ -34,6 +34,10 @@ class RoundPlan:
     root_rows: torch.Tensor  # [B] int64; cache row of each tree's root
     filled: list[Sequence]  # sequences whose prompt chunk stops short of the root (chunks after the B)
     num_prefill_tokens: int  # prompt tokens in this forward (final and partial chunks)
+    # Sequences asking for prompt logprobs, with how many of their prompt tokens this forward
+    # predicts; their logits rows follow every chunk's own, from row `prompt_logits_start`.
+    prompt_logits: list[tuple[Sequence, int]]
+    prompt_logits_start: int
 
 
 # Shared by every root-only tree (one per sequence per round without a draft): read, never written.
@@ -85,14 +89,20 @@ def plan_round(
         )
         verified.append(seq)
         trees.append(tree)
-    partial, partial_chunks, budget = [], [], max_prefill_tokens
+    partial, partial_chunks, budget, prompt_logits = [], [], max_prefill_tokens, []
     for seq in prefilling:
         take = min(budget, len(seq.tokens) - seq.num_cached)
         if take <= 0:
             break
         budget -= take
         ids = torch.tensor(seq.tokens[seq.num_cached : seq.num_cached + take], dtype=torch.int64)
-        chunk = SequenceChunk(seq.cache_start, seq.num_cached, ids)
+        # Rows predicting prompt tokens: every token of the chunk but the prompt's last (the root's row).
+        predicted = (
+            min(take, len(seq.tokens) - 1 - seq.num_cached) if seq.params.prompt_logprobs is not None else 0
+        )
+        if predicted:
+            prompt_logits.append((seq, predicted))
+        chunk = SequenceChunk(seq.cache_start, seq.num_cached, ids, prompt_logits=predicted)
         if seq.num_cached + take == len(seq.tokens):  # reaches the root: its last row is a decode
             chunks.append(chunk)
             verified.append(seq)
@@ -108,4 +118,6 @@ def plan_round(
         root_rows=torch.tensor(root_rows, dtype=torch.int64, device=device),
         filled=partial,
         num_prefill_tokens=max_prefill_tokens - budget,
+        prompt_logits=prompt_logits,
+        prompt_logits_start=sum(int(t.tokens.numel()) for t in trees) + len(partial),
     )

@@ -77,6 +77,7 @@ class RequestParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     grammar: GrammarSpec | None = None  # structured output: every node masked to the grammar
     logprobs: int | None = None  # per output token: its logprob and the top-N (0 = the token's only)
+    prompt_logprobs: int | None = None  # per prompt token after the first: the same (echo with logprobs)
 
     @property
     def processes_logits(self) -> bool:
@@ -112,6 +113,8 @@ class RequestParams:
             problems.append("presence_penalty and frequency_penalty must be finite")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             problems.append(f"logprobs = {self.logprobs} must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            problems.append(f"prompt_logprobs = {self.prompt_logprobs} must be in [0, {MAX_LOGPROBS}]")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -132,6 +135,7 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the matched stop string, or the EOS token id
     text: str | None = None  # the whole output so far, when the engine has a detokenizer
     logprobs: list[TokenLogprob] | None = None  # one per new_token_ids entry, if the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. , with the first output only
 
 
 @dataclass
@@ -154,6 +158,7 @@ class Sequence:
     text: str = ""  # detokenized output, kept only when stop strings need it
     stop_ids: frozenset[int] = frozenset()  # EOS ids (unless ignore_eos) and stop_token_ids
     grammar: GrammarMatcherLike | None = None  # structured output: the matcher at the committed tokens
+    prompt_logprobs: list[TokenLogprob] | None = None  # gathered while prefilling, sent with the first output
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

@@ -230,6 +230,21 @@ def test_greedy_logprobs_equal_speculation_off_streamed_and_not(base_url):
                 max(abs(s.logprob - t.logprob) for s, t in zip(x.top_logprobs, y.top_logprobs, strict=True))
                 < 1e-4
             )
+    # echo: the prompt's tokens first, the first with no logprob, then the output's.
+    echo = [
+        c.completions.create(
+            model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0, logprobs=2, echo=True
+        )
+        for c in (spec, off)
+    ]
+    lp = [e.choices[0].logprobs for e in echo]
+    assert lp[0].tokens == lp[1].tokens and "".join(lp[0].tokens) == echo[0].choices[0].text
+    assert lp[0].token_logprobs[0] is None and lp[0].top_logprobs[0] is None
+    assert (
+        max(abs(x - y) for x, y in zip(lp[0].token_logprobs[1:], lp[1].token_logprobs[1:], strict=True))
+        < 1e-4
+    )
+    assert lp[0].text_offset[-1] == len(echo[0].choices[0].text) - len(lp[0].tokens[-1])
     whole, streamed = _completion_logprobs(spec, False), _completion_logprobs(spec, True)
     assert (
         whole[0] == streamed[0] and max(abs(x - y) for x, y in zip(whole[1], streamed[1], strict=True)) < 1e-4
@@ -291,7 +306,7 @@ def test_stop_token_ids_min_tokens_and_logit_bias_reach_the_engine(base_url):
             {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
             "response_format",
         ),
-        ({"echo": True, "logprobs": 1}, "logprobs"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ],
 )
 def test_unimplemented_or_bad_fields_are_refused_not_ignored(base_url, body, param):

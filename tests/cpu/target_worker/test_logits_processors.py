@@ -193,3 +193,25 @@ def test_stop_ids_min_tokens_and_several_eos(runner, prompts, speculate):
     params = RequestParams(max_tokens=30, stop_token_ids=(eos_b,), min_tokens=first + 3)
     out, _ = run(engine(runner, speculate), prompts[:1], params)
     assert len(out[0]) >= first + 3 and eos_b not in out[0][: first + 3]
+
+
+@pytest.mark.parametrize("speculate", [None, "ngram"])
+def test_prompt_logprobs_over_chunked_prefill(runner, prompts, speculate):
+    """Echo's prompt logprobs: one per prompt token after the first, the same whatever the
+    prefill chunking (7 tokens a round here) and however many requests share the forward."""
+    eng = engine(runner, speculate, max_prefill_tokens=7)
+    ids = [eng.add_request(p, RequestParams(max_tokens=3, prompt_logprobs=2, logprobs=0)) for p in prompts]
+    got = {}
+    for out in eng.stream():
+        if out.prompt_logprobs is not None:
+            got[out.request_id] = out.prompt_logprobs
+    for i, prompt in zip(ids, prompts, strict=True):
+        chunk = SequenceChunk(
+            runner.cache.allocate(99, len(prompt)), 0, torch.tensor(prompt), all_logits=True
+        )
+        logp = torch.log_softmax(runner.forward(build_forward_batch([chunk])).logits.float(), -1)
+        runner.cache.free(99)
+        assert [e.token_id for e in got[i]] == prompt[1:]
+        want = logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        assert torch.allclose(torch.tensor([e.logprob for e in got[i]]), want, atol=1e-4)
+        assert all(len(e.top) == 2 and e.top[0][1] >= e.logprob - 1e-6 for e in got[i])
