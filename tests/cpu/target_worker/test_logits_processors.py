@@ -113,21 +113,26 @@ def prompts(runner):
     return [phrase * 3 for phrase in phrases]
 
 
-def engine(runner, speculate: str | None, draft_dir=None, **kwargs) -> Engine:
-    source = None
-    if speculate == "ngram":
-        config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
-    elif speculate == "draft_model":
-        config = {
-            "method": "draft_model",
-            "model": str(draft_dir),
-            "num_speculative_tokens": 4,
-            "tree_top_k": 2,
-        }
-    if speculate:
+def drafter(method: str, family) -> dict:
+    """The drafters these tests run with: prompt lookup, the draft LM (tree) and EAGLE-3 (tree)."""
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    tree = {"num_speculative_tokens": 4, "tree_top_k": 2, "tree_max_nodes": 10}
+    if method == "draft_model":
         import outrider.draft_worker.draft_model  # noqa: F401 - registers `draft_model`
 
-        source = InProcessDraftSource(build_proposer(config, vocab_size=runner.model.vocab_size))
+        return {"method": "draft_model", "model": str(family.draft_dir), **tree}
+    from outrider.draft_worker.training.demo_heads import ensure_demo_heads
+
+    head = ensure_demo_heads(family, ["eagle3"], progress=False, log=lambda _: None)["eagle3"]
+    return {"method": "eagle3", "model": str(head), **tree}
+
+
+def engine(runner, speculate: str | None, family=None, **kwargs) -> Engine:
+    source = None
+    if speculate:
+        proposer = build_proposer(drafter(speculate, family), vocab_size=runner.model.vocab_size)
+        source = InProcessDraftSource(proposer)
     return Engine(runner, source, **({"eos_token_id": None, "max_batch": 8} | kwargs))
 
 
@@ -147,14 +152,14 @@ def test_greedy_penalties_match_naive_decoding(runner, prompts):
     assert got[0] == naive_greedy(runner, prompts[0], params, 16)
 
 
-@pytest.mark.parametrize("speculate", ["ngram", "draft_model"])
+@pytest.mark.parametrize("speculate", ["ngram", "draft_model", "eagle3"])
 def test_greedy_with_processors_and_logprobs_equals_speculation_off(runner, prompts, tiny_family, speculate):
     """Penalties on repeated text are where a path-blind verifier goes wrong: n-gram drafts
     are repeats by construction. Tokens equal, logprobs and top-5 equal to 1e-4."""
     for name, penalty in PENALTIES.items():
         params = RequestParams(max_tokens=32, ignore_eos=True, logprobs=5, **penalty)
         plain, plain_lp = run(engine(runner, None), prompts, params)
-        spec_engine = engine(runner, speculate, tiny_family.draft_dir)
+        spec_engine = engine(runner, speculate, tiny_family)
         spec, spec_lp = run(spec_engine, prompts, params)
         assert spec == plain, name
         assert spec_engine.stats.spec.num_drafts > 0
