@@ -18,6 +18,7 @@ chunks of token ids; the last one has a finish reason and this replica's `Replic
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -93,6 +94,8 @@ class TargetWorker:
     # ------------------------------------------------------------------ requests
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        if request.params.grammar is not None:  # compiled (and cached) here, not on the step thread
+            await asyncio.to_thread(self.engine.grammars.compile, request.params.grammar)
         request_id, queue = self.loop.submit(list(request.prompt_token_ids), request.params)  # may raise 429
         yield StreamChunk(admitted=True)
         finished = False
