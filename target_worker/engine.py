@@ -5,6 +5,7 @@ A round (docs/architecture.md, "One round"; docs/algorithms.md sections 1-2), as
     trees = drafts.collect(...)             # one per decoding sequence; untrusted, so checked,
                                             #   and demoted unless the source's q is trusted
     out = runner.forward(...)               # new prompts' chunks + every tree, one ragged batch
+    logits = apply_logits_processors(...)   # penalties, bias, grammar: each node with its path
     res = verify(trees, p, greedy, rand)    # lossless; greedy and sampled rows together
     trust.audit(trees, p)                   # a trusted source's q, checked against p (draft_trust)
     cache.commit_paths(...)                 # the accepted paths' K/V follow their roots
