@@ -281,6 +281,15 @@ def test_structured_output_validates_and_greedy_equals_speculation_off(base_url)
     assert regex.choices[0].text.isdigit() and len(regex.choices[0].text) == 3
 
 
+def test_each_of_n_seeded_choices_is_reproducible_alone(base_url):
+    """Choice i of a request with seed s is the request with seed s + i and n = 1."""
+    spec = client(base_url, "spec")
+    kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, presence_penalty=0.5)
+    both = spec.completions.create(**kwargs, n=2, seed=40).choices
+    alone = spec.completions.create(**kwargs, n=1, seed=41).choices[0]
+    assert sorted(both, key=lambda c: c.index)[1].text == alone.text
+
+
 def test_stop_token_ids_min_tokens_and_logit_bias_reach_the_engine(base_url):
     """logit_bias +100 makes token 7 the only choice; as a stop id it ends the output at once,
     unless min_tokens masks it: then exactly min_tokens other tokens come first."""
