@@ -199,7 +199,7 @@ class OpenAIIngress:
                     "model",
                     "model_not_found",
                 )
-            grammar = self._check_sampling(req, chat)
+            grammar = await asyncio.to_thread(self._check_sampling, req, chat)  # a schema may take a while
             prompt_ids = self._prompt_ids(req, chat)
             max_tokens = self._max_tokens(req, len(prompt_ids), chat)
             streams = [
