@@ -61,8 +61,10 @@ from outrider.cluster.openai_api import (
     usage,
     validation_error,
 )
+from outrider.cluster.openai_fields import chat_logprobs, completion_logprobs
 from outrider.cluster.served_model import ServedModel
 from outrider.cluster.text import Detokenizer, apply_chat_template, load_tokenizer, longest_token_chars
+from outrider.target_worker.sequence import GrammarSpec, RequestParams
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="Outrider", description="OpenAI-compatible speculative decoding")
@@ -197,9 +199,12 @@ class OpenAIIngress:
                     "model",
                     "model_not_found",
                 )
+            grammar = await asyncio.to_thread(self._check_sampling, req, chat)  # a schema may take a while
             prompt_ids = self._prompt_ids(req, chat)
             max_tokens = self._max_tokens(req, len(prompt_ids), chat)
-            streams = [self._open(prompt_ids, req, max_tokens, i) for i in range(req.n)]
+            streams = [
+                self._open(prompt_ids, req.request_params(max_tokens, i, grammar)) for i in range(req.n)
+            ]
             opened = await asyncio.gather(*streams, return_exceptions=True)
             failure = next((o for o in opened if isinstance(o, BaseException)), None)
             if failure is not None:
@@ -222,6 +227,17 @@ class OpenAIIngress:
         response = error.response()
         response.headers["WWW-Authenticate"] = "Bearer"
         return response
+
+    def _check_sampling(self, req: SamplingFields, chat: bool) -> GrammarSpec | None:
+        """What the models cannot check alone: token ids against the vocabulary, the grammar."""
+        for field, token in req.token_ids_used():
+            if token >= self.model.vocab_size:
+                raise ApiError(400, f"{field}: token id {token} is outside the vocabulary", field)
+        try:
+            return req.grammar()
+        except ValueError as e:
+            field = str(e).split(":", 1)[0]
+            raise ApiError(400, str(e), field if field.isidentifier() else None) from e
 
     def _prompt_ids(self, req: SamplingFields, chat: bool) -> list[int]:
         if chat:
@@ -285,42 +301,68 @@ class OpenAIIngress:
             )
         return asked
 
-    async def _open(self, prompt_ids: list[int], req: SamplingFields, max_tokens: int, index: int):
+    async def _open(self, prompt_ids: list[int], params: RequestParams):
         """Start one choice on the target; returns once the target admitted it."""
-        request = GenerateRequest(tuple(prompt_ids), req.request_params(max_tokens, index))
+        request = GenerateRequest(tuple(prompt_ids), params)
         stream = self.target.options(stream=True).generate.remote(request)
         first = await stream.__anext__()  # the admitted chunk, or the overload error
         assert first.admitted, "the target's stream must open with an admitted chunk"
         return stream
 
-    async def _choice(self, stream, req: SamplingFields) -> AsyncIterator[tuple[str, int, str | None]]:
-        """(text delta, tokens in it, finish reason or None) until the choice ends."""
+    async def _choice(self, stream, req: SamplingFields) -> AsyncIterator[tuple[str, int, str | None, tuple]]:
+        """(text delta, tokens in it, finish reason or None, their logprobs) until the choice ends."""
         detok = Detokenizer(self.tokenizer, list(req.stop))
         reason = None
         async for chunk in stream:
             text = detok.add(chunk.token_ids)
             reason = chunk.finish_reason
+            logprobs = (chunk.prompt_logprobs or ()) + (chunk.logprobs or ())  # echo: the prompt's first
             if chunk.snapshot is not None:
                 self.metrics.snapshot(chunk.snapshot)
             if detok.stopped:
                 stream.cancel()  # frees the sequence's batch slot now
-                yield text, len(chunk.token_ids), "stop"
+                yield text, len(chunk.token_ids), "stop", logprobs
                 return
-            yield (text + detok.flush() if reason else text), len(chunk.token_ids), reason
+            yield (text + detok.flush() if reason else text), len(chunk.token_ids), reason, logprobs
             if reason:
                 return
+
+    def _logprobs(
+        self, req: SamplingFields, entries: list, chat: bool, offset: int, echo: bool = False
+    ) -> dict[str, Any] | None:
+        """The choice's `logprobs` object in the endpoint's shape, or None if not asked for.
+        `echo`: the entries start with the prompt's (its first token has no logprob: null)."""
+        if req.num_logprobs is None:
+            return None
+        decode = self._token_text
+        if chat:
+            return chat_logprobs(entries, decode)
+        return completion_logprobs(entries, decode, offset, self._first_prompt_token(req) if echo else None)
+
+    def _first_prompt_token(self, req: CompletionRequest) -> int:
+        if isinstance(req.prompt, list):
+            return req.prompt[0]
+        return self.tokenizer.encode(req.prompt, add_special_tokens=False)[0]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     async def _whole(self, request_id: str, req, streams: list, prompt_len: int, chat: bool) -> Response:
         start = time.monotonic()
 
         async def collect(index: int, stream) -> tuple[dict[str, Any], int, list[float]]:
-            parts, times, reason = [], [], "length"
-            async for text, n, finished in self._choice(stream, req):
+            parts, times, reason, entries = [], [], "length", []
+            async for text, n, finished, logprobs in self._choice(stream, req):
                 parts.append(text)
                 times.extend([time.monotonic()] * n)
                 reason = finished or reason
+                entries.extend(logprobs)
             text = "".join(parts)
-            choice = {"index": index, "finish_reason": reason, "logprobs": None}
+            choice = {
+                "index": index,
+                "finish_reason": reason,
+                "logprobs": self._logprobs(req, entries, chat, 0, echo=not chat and req.echo),
+            }
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -352,20 +394,23 @@ class OpenAIIngress:
 
         async def pump(index: int, stream) -> None:
             times: list[float] = []
-            reason = "abort"
+            reason, chars, echo = "abort", 0, not chat and req.echo
             try:
                 if chat:
-                    await merged.put((index, {"role": "assistant", "content": ""}, None))
+                    await merged.put((index, {"role": "assistant", "content": ""}, None, None))
                 elif req.echo:
-                    await merged.put((index, self._echo(req), None))
-                async for text, n, finished in self._choice(stream, req):
+                    await merged.put((index, self._echo(req), None, None))
+                async for text, n, finished, logprobs in self._choice(stream, req):
                     times.extend([time.monotonic()] * n)
                     counts[index] += n
                     reason = finished or reason
-                    if text or finished:
-                        await merged.put((index, {"content": text} if chat else text, finished))
+                    if text or finished or logprobs:
+                        scores = self._logprobs(req, list(logprobs), chat, chars, echo)
+                        chars += sum(len(t) for t in (scores or {}).get("tokens", ()))
+                        echo = False  # the prompt's logprobs come with the first tokens only
+                        await merged.put((index, {"content": text} if chat else text, finished, scores))
             except Exception as e:  # reported in-band: the 200 status is already sent
-                await merged.put((index, _as_api_error(e), None))
+                await merged.put((index, _as_api_error(e), None, None))
             finally:
                 self.metrics.request_done(prompt_len, times, start, reason)
                 await merged.put(None)
@@ -378,12 +423,12 @@ class OpenAIIngress:
                 if item is None:
                     open_streams -= 1
                     continue
-                index, payload, finished = item
+                index, payload, finished, scores = item
                 if isinstance(payload, ApiError):
                     yield _sse(payload.body())
                     continue
                 key = "delta" if chat else "text"
-                choice = {"index": index, key: payload, "finish_reason": finished, "logprobs": None}
+                choice = {"index": index, key: payload, "finish_reason": finished, "logprobs": scores}
                 yield _sse(chunk_body(request_id, self.model.name, [choice], chat))
             if req.include_usage_in_stream:
                 yield _sse(chunk_body(request_id, self.model.name, [], chat, usage(prompt_len, sum(counts))))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from outrider.target_worker.sequence import RequestParams
+    from outrider.target_worker.sequence import RequestParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class StreamChunk:
     finish_reason: str | None = None  # None until the last chunk: "length", "stop", "abort"
     admitted: bool = False
     snapshot: ReplicaSnapshot | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # [num_new_tokens], when the request asked
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # [num_prompt - 1], with the first tokens (echo)
 
 
 @dataclass(frozen=True)

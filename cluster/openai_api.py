@@ -1,8 +1,11 @@
 """OpenAI's wire format: request models with their ranges, response builders, the error shape.
 
-Ranges follow OpenAI's API reference (temperature in [0, 2], top_p in (0, 1], n >= 1) and
-vLLM's extensions (top_k, with 0 or -1 = off). A request outside them is a 400 whose `param`
-names the field, like OpenAI's own:
+Ranges follow OpenAI's API reference (temperature in [0, 2], top_p in (0, 1], n >= 1,
+penalties in [-2, 2], logit_bias in [-100, 100], top_logprobs <= 20) and vLLM's extensions
+(top_k with 0 or -1 = off, min_p, repetition_penalty, min_tokens, stop_token_ids,
+ignore_eos, structured_outputs). Fields the server does not implement are refused unless null
+or default (`openai_fields`). A request outside them is a 400 whose `param` names the field,
+like OpenAI's own:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
 """
@@ -18,7 +21,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from outrider.target_worker.sequence import RequestParams
+from outrider.cluster.openai_fields import check_extra_fields, grammar_from_fields
+from outrider.target_worker.sequence import MAX_LOGPROBS, GrammarSpec, RequestParams
 
 MAX_N = 16  # choices per request: each is a sequence in the batch, so bound the fan-out
 
@@ -26,8 +30,8 @@ MAX_N = 16  # choices per request: each is a sequence in the batch, so bound the
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    # Unknown fields (logprobs, presence_penalty, user, ...) are accepted and ignored, as
-    # vLLM does, so clients that always send them keep working.
+    # Fields not modelled here are checked by `openai_fields.check_extra_fields`: accepted
+    # only where they cannot change the output (no effect, or null / their default).
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -40,6 +44,51 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = Field(None, validate_default=True)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # vLLM's extensions
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _checked(self) -> SamplingFields:
+        check_extra_fields(self.model_extra or {})
+        for token, bias in (self.logit_bias or {}).items():
+            if not token.lstrip("-").isdigit() or int(token) < 0:
+                raise ValueError(f"logit_bias: keys must be token ids, got {token!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100]")
+        if any(t < 0 for t in self.stop_token_ids or ()):
+            raise ValueError("stop_token_ids: token ids must be >= 0")
+        if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens: must be <= max_tokens")
+        return self
+
+    def grammar(self) -> GrammarSpec | None:
+        """The structured-output constraint (ValueError naming the field if malformed)."""
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice}
+        guided["grammar"] = self.guided_grammar
+        return grammar_from_fields(self.response_format, self.structured_outputs, guided)
+
+    def token_ids_used(self) -> list[tuple[str, int]]:
+        """(field, token id) of every id the request names, for the ingress's vocabulary check."""
+        used = [("logit_bias", int(t)) for t in self.logit_bias or {}]
+        return used + [("stop_token_ids", t) for t in self.stop_token_ids or ()]
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per token (0 = the token's own only), or None for no logprobs."""
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -53,7 +102,9 @@ class SamplingFields(BaseModel):
     def include_usage_in_stream(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
-    def request_params(self, max_tokens: int, index: int) -> RequestParams:
+    def request_params(
+        self, max_tokens: int, index: int, grammar: GrammarSpec | None = None
+    ) -> RequestParams:
         """The engine's settings for choice `index`, with `max_tokens` already fitted to the context.
 
         Stop strings are not among them: the ingress matches them on the text it streams
@@ -64,14 +115,30 @@ class SamplingFields(BaseModel):
             temperature=self.temperature,
             top_k=max(self.top_k, 0),  # -1 (vLLM's "off") is the engine's 0
             top_p=self.top_p,
+            min_p=self.min_p or 0.0,
             # n choices with one seed must differ, and stay reproducible.
             seed=None if self.seed is None else self.seed + index,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            min_tokens=min(self.min_tokens, max_tokens),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
+            grammar=grammar,
+            logprobs=self.num_logprobs,
+            prompt_logprobs=self.num_logprobs if getattr(self, "echo", False) else None,
         )
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str]
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top logprobs per token (OpenAI: <= 5)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -108,18 +175,23 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     # vLLM's name for OpenAI's newer field; either sets the output budget.
     max_completion_tokens: int | None = Field(None, ge=1)
-    # Tool calls and structured output are not implemented: refused, never silently ignored.
+    # Tool calls are not implemented: refused, never silently ignored.
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
         if self.tools and self.tool_choice != "none":
             raise ValueError("tools: tool calling is not supported by this server (send tool_choice 'none')")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported by this server")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
         return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def output_budget(self) -> int | None:

@@ -1,7 +1,7 @@
 """What is being served, resolved once in `build_app` and handed to every deployment.
 
 `OutriderArgs` says "the small demo" or "this folder"; `ServedModel` is the answer: the
-folders, the name clients use, the context length and the EOS id. Resolving it in the driver
+folders, the name clients use, the context length and the EOS ids. Resolving it in the driver
 means the demo family is built (or found) once, before any replica starts, and every
 replica agrees on the same paths.
 """
@@ -23,7 +23,7 @@ class ServedModel:
     draft_dir: str | None  # the demo family's draft LM, for model-based drafting
     max_model_len: int
     vocab_size: int
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # every one stops generation (config.json and generation_config.json)
     head_dir: str | None = None  # the demo family's trained head for the configured method
 
 
@@ -51,7 +51,7 @@ def resolve_model(args: OutriderArgs, progress: bool = False) -> ServedModel:
         draft_dir=str(draft) if draft else None,
         max_model_len=max_len,
         vocab_size=int(config["vocab_size"]),
-        eos_token_id=_eos(config, tokenizer),
+        eos_token_ids=eos_token_ids(config, target, tokenizer),
         head_dir=str(head) if head else None,
     )
 
@@ -68,12 +68,19 @@ def _demo_head(family, args: OutriderArgs, progress: bool) -> Path | None:
     )
 
 
-def _eos(config: dict, tokenizer_dir: Path) -> int | None:
-    eos = config.get("eos_token_id")
-    if isinstance(eos, list):  # Llama 3 lists several; the engine stops on the first here
-        eos = eos[0] if eos else None
-    if eos is None:
-        generation = tokenizer_dir / "generation_config.json"
+def eos_token_ids(config: dict, target_dir: Path, tokenizer_dir: Path) -> tuple[int, ...]:
+    """Every EOS id the model declares: config.json's and generation_config.json's (the target's,
+    else the tokenizer folder's), each an int or a list. Llama-3-Instruct lists two there and
+    ends a chat turn with the second (<|eot_id|>), so any of them stops a sequence."""
+    declared = [config.get("eos_token_id")]
+    for folder in (target_dir, tokenizer_dir):
+        generation = folder / "generation_config.json"
         if generation.is_file():
-            eos = json.loads(generation.read_text()).get("eos_token_id")
-    return int(eos) if eos is not None else None
+            declared.append(json.loads(generation.read_text()).get("eos_token_id"))
+            break
+    ids: list[int] = []
+    for eos in declared:
+        for token in eos if isinstance(eos, list) else [eos]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return tuple(ids)

@@ -18,6 +18,7 @@ chunks of token ids; the last one has a finish reason and this replica's `Replic
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -45,6 +46,7 @@ class TargetWorker:
         import torch
 
         from outrider.target_worker.engine import Engine
+        from outrider.target_worker.grammar import GrammarBackend
 
         self.model, self.args = model, load_args(args)
         engine_args = self.args.engine
@@ -58,7 +60,7 @@ class TargetWorker:
         self.engine = Engine(
             runner,
             self.draft_source,
-            eos_token_id=model.eos_token_id,
+            eos_token_id=model.eos_token_ids,
             max_batch=engine_args.max_num_seqs,
             tree_budget=ceiling,
             budget_policy=budget_policy,
@@ -66,6 +68,7 @@ class TargetWorker:
             seed_key=seed_key or engine_args.seed_key(),
             block_size=engine_args.block_size,
             prefix_caching=engine_args.enable_prefix_caching,
+            grammars=GrammarBackend(model.tokenizer_dir, model.vocab_size, model.eos_token_ids),
         )
         self.loop = EngineLoop(self.engine, engine_args.max_num_seqs, engine_args.max_queued_requests)
         self.replica = context.replica_id.unique_id
@@ -93,6 +96,8 @@ class TargetWorker:
     # ------------------------------------------------------------------ requests
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        if request.params.grammar is not None:  # compiled (and cached) here, not on the step thread
+            await asyncio.to_thread(self.engine.grammars.compile, request.params.grammar)
         request_id, queue = self.loop.submit(list(request.prompt_token_ids), request.params)  # may raise 429
         yield StreamChunk(admitted=True)
         finished = False
@@ -106,6 +111,8 @@ class TargetWorker:
                     token_ids=tuple(output.new_token_ids),
                     finish_reason=output.finish_reason,
                     snapshot=self._snapshot() if finished else None,
+                    logprobs=None if output.logprobs is None else tuple(output.logprobs),
+                    prompt_logprobs=None if output.prompt_logprobs is None else tuple(output.prompt_logprobs),
                 )
         finally:
             if not finished:  # cancelled by the ingress (client gone, stop string hit)

@@ -86,6 +86,9 @@ class SequenceChunk:
     all_logits: bool = False  # chains: logits of every token, not only the last (trees: always)
     blocks: list[int] | None = None  # paged: the block table, covering slots 0 .. context_len + n - 1
     block_size: int = 0
+    # Logits of the first `prompt_logits` tokens too, returned after every chunk's own rows, so
+    # the rows verification reads keep their places (prompt logprobs).
+    prompt_logits: int = 0
 
 
 def build_forward_batch(
@@ -119,6 +122,8 @@ def build_forward_batch(
             rows.extend(range(chunk.cache_start + ctx, chunk.cache_start + ctx + n))
         all_rows = chunk.all_logits or b in tree_of
         logits_rows.extend(range(cu[b] if all_rows else cu[b + 1] - 1, cu[b + 1]))
+    for b, chunk in enumerate(chunks):  # prompt logprobs: after every chunk's own rows
+        logits_rows.extend(range(cu[b], cu[b] + chunk.prompt_logits))
     kv_lens = [c.context_len + n for c, n in zip(chunks, sizes, strict=True)]
     tables = _block_tables(chunks, kv_lens) if paged else None
     return ForwardBatch(

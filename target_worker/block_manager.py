@@ -70,14 +70,14 @@ class BlockManager:
 
     # ---- sequences -----------------------------------------------------------------------
 
-    def allocate(self, seq_id: int, tokens: list[int], num_slots: int) -> int | None:
+    def allocate(self, seq_id: int, tokens: list[int], num_slots: int, lookup: bool = True) -> int | None:
         """Gives `seq_id` a table covering `num_slots` slots, reusing cached blocks of its
         longest cached prefix of `tokens`; returns how many leading tokens are already cached
         (a multiple of block_size, below len(tokens)), or None (nothing taken) if the blocks
-        are not there."""
+        are not there. `lookup` False: computes every token (its full blocks are cached after)."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already holds KV blocks")
-        hits = self._cached_prefix(tokens)
+        hits = self._cached_prefix(tokens) if lookup else []
         need = self.blocks_for(num_slots) - len(hits)
         reusable = sum(1 for block in hits if self._refs[block] == 0)  # counted in num_free_blocks
         if need > self.num_free_blocks - reusable:
@@ -87,7 +87,7 @@ class BlockManager:
         self.tables[seq_id] = hits + [self._take() for _ in range(need)]
         if hits:
             self._hashed[seq_id] = (len(hits), self._hash_of[hits[-1]])
-        if self.prefix_caching:
+        if self.prefix_caching and lookup:
             self.stats.queries += len(tokens)
             self.stats.hits += len(hits) * self.block_size
         return len(hits) * self.block_size

@@ -5,6 +5,7 @@ A round (docs/architecture.md, "One round"; docs/algorithms.md sections 1-2), as
     trees = drafts.collect(...)             # one per decoding sequence; untrusted, so checked,
                                             #   and demoted unless the source's q is trusted
     out = runner.forward(...)               # new prompts' chunks + every tree, one ragged batch
+    logits = apply_logits_processors(...)   # penalties, bias, grammar: each node with its path
     res = verify(trees, p, greedy, rand)    # lossless; greedy and sampled rows together
     trust.audit(trees, p)                   # a trusted source's q, checked against p (draft_trust)
     cache.compact(...)                      # the accepted paths' K/V follow their roots
@@ -41,12 +42,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from outrider.kernels import (
     SpecDecodeCounters,
-    VerifyOutput,
     verify,
 )
 from outrider.proto import (
@@ -60,15 +61,20 @@ from outrider.proto import (
 from outrider.target_worker.block_manager import BlockManager
 from outrider.target_worker.draft_source import DraftSource
 from outrider.target_worker.draft_trust import PROCESS_SEED_KEY, DraftTrust, derive_seed
-from outrider.target_worker.drafter_features import capture_for, gather_features, keep_features, verified_rows
+from outrider.target_worker.drafter_features import capture_for, gather_features, keep_features
 from outrider.target_worker.kv_cache import CacheFullError
 from outrider.target_worker.kv_scheduler import KVScheduler
 from outrider.target_worker.lanes import LaneTuner, lane_to_verify
+from outrider.target_worker.logits_processors import apply_logits_processors
+from outrider.target_worker.round_outputs import append_outputs, record_prompt_logprobs, stop_ids_for
 from outrider.target_worker.round_plan import RoundPlan, plan_round, root_only_tree
 from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import RequestOutput, RequestParams, Sequence
 from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy
 from outrider.target_worker.verify_inputs import greedy_rows, target_probs, verify_randoms
+
+if TYPE_CHECKING:  # xgrammar is imported only where structured output is served
+    from outrider.target_worker.grammar import GrammarBackend
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +111,7 @@ class Engine:
         runner: ModelRunner,
         draft_source: DraftSource | None = None,
         *,
-        eos_token_id: int | None,
+        eos_token_id: int | Iterable[int] | None,
         max_batch: int = 16,
         tree_budget: TreeBudget = DEFAULT_TREE_BUDGET,
         max_prefill_tokens: int = 512,
@@ -116,8 +122,10 @@ class Engine:
         budget_policy: str = "fixed",
         block_size: int = 16,
         prefix_caching: bool = True,
+        grammars: GrammarBackend | None = None,
     ):
-        """`draft_source` None = speculation off. `detokenize` is needed for stop strings.
+        """`draft_source` None = speculation off. `detokenize` is needed for stop strings,
+        `grammars` for structured output. `eos_token_id`: one id or several; any of them stops.
 
         `seed_key`: the secret from which a seeded request's verification randomness and its
         drafter's seed are derived apart (`draft_trust.derive_seed`): a drafter that knows the
@@ -145,7 +153,11 @@ class Engine:
         if lanes not in (1, 2):
             raise ValueError(f"lanes must be 1 or 2, got {lanes}")
         self.runner, self.cache, self.drafts = runner, runner.cache, draft_source
-        self.eos_token_id, self.max_batch, self.tree_budget = eos_token_id, max_batch, tree_budget
+        eos = (
+            [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        )
+        self.eos_token_ids, self.grammars = frozenset(int(t) for t in eos), grammars
+        self.max_batch, self.tree_budget = max_batch, tree_budget
         self.max_prefill_tokens, self.draft_timeout_s = max_prefill_tokens, draft_timeout_s
         self.detokenize = detokenize
         self.vocab_size = runner.model.vocab_size
@@ -184,6 +196,11 @@ class Engine:
             raise ValueError(f"prompt tokens must be in [0, {self.vocab_size})")
         if params.stop and self.detokenize is None:
             raise ValueError("stop strings need an engine built with `detokenize`")
+        if params.grammar is not None and self.grammars is None:
+            raise ValueError("structured output needs an engine built with `grammars`")
+        named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+        if not all(0 <= t < self.vocab_size for t in named):
+            raise ValueError(f"logit_bias and stop_token_ids must be token ids in [0, {self.vocab_size})")
         need, most = self._rows_needed(len(prompt), params), self._max_rows()
         if need > most:
             raise CacheFullError(
@@ -197,6 +214,8 @@ class Engine:
             generator = torch.Generator(self.runner.device).manual_seed(verify_seed)
             draft_sampling = replace(draft_sampling, seed=derive_seed(self.seed_key, params.seed, "draft"))
         seq = Sequence(self._next_id, params, prompt, len(prompt), generator, draft_sampling)
+        seq.stop_ids = stop_ids_for(params, self.eos_token_ids)
+        seq.grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         self._next_id += 1
         self.waiting.append(seq)
         return seq.seq_id
@@ -253,18 +272,21 @@ class Engine:
         out = self.runner.forward(plan.forward)
         features = gather_features(out, self.features, self.runner.model.num_layers) if self.capture else None
         self._count(plan)
+        record_prompt_logprobs(plan, out.logits)  # echo's prompt logprobs, before the chunks are filled
         outputs = []
         if plan.trees is not None:
             # 3. Verify every tree against p (after each request's temperature/top-k/top-p).
             device = self.runner.device
-            p, greedy = target_probs(plan, out.logits, device), greedy_rows(plan, device)
+            logits = apply_logits_processors(plan, out.logits)  # penalties, grammar, ...: per node
+            p, greedy = target_probs(plan, logits, device), greedy_rows(plan, device)
             res = verify(plan.trees, p, greedy, verify_randoms(plan, self.vocab_size, device))
             if self.trust is not None:
                 self.trust.audit(plan.trees, p, greedy)  # trusted sampled trees: is q honest?
             # 4. Commit: the accepted paths' K/V move next to their roots; tokens are appended.
             self.cache.compact(res.accepted_node_ids, plan.slot_map)
             self.stats.spec.observe(plan.trees.cu_num_draft_tokens, res)
-            outputs = self._append_outputs(plan, res, features)
+            outputs = append_outputs(plan, res, logits, features, self.detokenize)
+            self.stats.num_output_tokens += sum(len(o.new_token_ids) for o in outputs)
             # The round's cost outside collect: this far, plus the last round's deltas (the
             # ones this round's drafting answered), which are sent after the policy learns.
             if self.policy is not None:
@@ -406,36 +428,6 @@ class Engine:
         return update
 
     # ---- verification and commit ---------------------------------------------------------
-
-    def _append_outputs(
-        self, plan: RoundPlan, res: VerifyOutput, features: torch.Tensor | None
-    ) -> list[RequestOutput]:
-        num_output = res.num_output_tokens.tolist()
-        output_ids = res.output_token_ids.tolist()
-        accepted = res.accepted_node_ids.tolist()
-        cu = plan.forward.cu_seqlens
-        tree_cu = plan.trees.cu_num_draft_tokens
-        tree_sizes = (tree_cu[1:] - tree_cu[:-1]).tolist()
-        outputs = []
-        for b, seq in enumerate(plan.verified):
-            if features is not None:  # the rows that predicted each new token
-                rows = verified_rows(cu[b], cu[b + 1], tree_sizes[b], accepted[b], num_output[b])
-                keep_features(seq, features[rows])
-            # The root and the accepted nodes are now cached; the last new token is the next root.
-            seq.num_cached = len(seq.tokens) + num_output[b] - 1
-            new = seq.append(output_ids[b][: num_output[b]], self.eos_token_id, self.detokenize)
-            self.stats.num_output_tokens += len(new)
-            outputs.append(
-                RequestOutput(
-                    request_id=seq.seq_id,
-                    new_token_ids=new,
-                    finished=seq.finished,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    text=seq.text if self.detokenize else None,
-                )
-            )
-        return outputs
 
     def _fill_prompts(self, plan: RoundPlan, features: torch.Tensor | None) -> None:
         """Prompt chunks that stopped short of the root: their tokens are now cached."""

@@ -45,7 +45,9 @@ class KVScheduler:
             need = self.blocks.blocks_for(len(seq.tokens))
             if self.blocks.num_free_blocks - need < self.watermark and running:
                 return  # wait for running sequences to finish (or be preempted) and free blocks
-            cached = self.blocks.allocate(seq.seq_id, seq.tokens, len(seq.tokens))
+            # Prompt logprobs need every prompt token's logits: no prefix-cache lookup for them.
+            lookup = seq.params.prompt_logprobs is None or seq.decoding
+            cached = self.blocks.allocate(seq.seq_id, seq.tokens, len(seq.tokens), lookup=lookup)
             if cached is None:
                 return
             seq.blocks, seq.num_cached, seq.max_slots = self.blocks.tables[seq.seq_id], cached, self.max_slots
@@ -85,6 +87,8 @@ class KVScheduler:
         seq.blocks, seq.num_cached = None, 0
         seq.asked, seq.tree_round = False, -1
         seq.num_sent, seq.unsent_features = 0, []  # the drafter gets the whole sequence again
+        if not seq.decoding:  # prompt logprobs gathered so far are gathered again
+            seq.prompt_logprobs = None
         waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -34,6 +34,10 @@ class RoundPlan:
     slot_map: torch.Tensor  # [B, max tree size] int64; cache row of each tree node's slot (`compact_kv`)
     filled: list[Sequence]  # sequences whose prompt chunk stops short of the root (chunks after the B)
     num_prefill_tokens: int  # prompt tokens in this forward (final and partial chunks)
+    # Sequences asking for prompt logprobs, with how many of their prompt tokens this forward
+    # predicts; their logits rows follow every chunk's own, from row `prompt_logits_start`.
+    prompt_logits: list[tuple[Sequence, int]]
+    prompt_logits_start: int
 
 
 # Shared by every root-only tree (one per sequence per round without a draft): read, never written.
@@ -94,14 +98,21 @@ def plan_round(
         )
         verified.append(seq)
         trees.append(tree)
-    partial, partial_chunks, budget = [], [], max_prefill_tokens
+    partial, partial_chunks, budget, prompt_logits = [], [], max_prefill_tokens, []
     for seq in prefilling:
         take = min(budget, len(seq.tokens) - seq.num_cached)
         if take <= 0:
             break
         budget -= take
         ids = torch.tensor(seq.tokens[seq.num_cached : seq.num_cached + take], dtype=torch.int64)
-        chunk = SequenceChunk(-1, seq.num_cached, ids, blocks=seq.blocks, block_size=block_size)
+        # Rows predicting prompt tokens: every token of the chunk but the prompt's last (the root's row).
+        wants = seq.params.prompt_logprobs is not None and not seq.decoding  # a recompute has sent them
+        predicted = min(take, seq.num_prompt - 1 - seq.num_cached) if wants else 0
+        if predicted:
+            prompt_logits.append((seq, predicted))
+        chunk = SequenceChunk(
+            -1, seq.num_cached, ids, blocks=seq.blocks, block_size=block_size, prompt_logits=predicted
+        )
         if seq.num_cached + take == len(seq.tokens):  # reaches the root: its last row is a decode
             chunks.append(chunk)
             verified.append(seq)
@@ -117,6 +128,8 @@ def plan_round(
         slot_map=_tree_slot_map(forward, [t.num_nodes for t in trees]),
         filled=partial,
         num_prefill_tokens=max_prefill_tokens - budget,
+        prompt_logits=prompt_logits,
+        prompt_logits_start=sum(int(t.tokens.numel()) for t in trees) + len(partial),
     )
 
 

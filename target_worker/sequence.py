@@ -18,11 +18,40 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from outrider.proto import SamplingParams, TreeBudget
 from outrider.target_worker.stop_strings import find_stop
+
+
+class GrammarMatcherLike(Protocol):
+    """What a sequence needs of its grammar matcher (xgrammar's GrammarMatcher has it)."""
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
+
+
+MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A structured-output constraint, compiled by the engine's grammar backend (xgrammar)."""
+
+    kind: str  # "json_schema", "json_object", "regex", "choice", "grammar" (EBNF)
+    source: str  # the schema (JSON text), the regex, the choices as a JSON list, or the EBNF
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability under the target's processed distribution, and the top-N."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), likeliest first
 
 
 @dataclass(frozen=True)
@@ -36,7 +65,31 @@ class RequestParams:
     min_p: float = 0.0  # 0 = disabled
     seed: int | None = None  # a seeded request samples the same tokens whatever it is batched with
     stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized output; not part of `text`
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # the model's EOS ids do not stop it (`stop_token_ids` still do)
+    stop_token_ids: tuple[int, ...] = ()  # these stop it too (not emitted, like EOS)
+    min_tokens: int = 0  # EOS and stop_token_ids masked, stop strings unchecked, before this many outputs
+    # Logit processors (target_worker.logits_processors), applied at every tree node with the
+    # tokens on that node's path: vLLM's semantics, counted over the output (presence,
+    # frequency) or prompt + output (repetition).
+    presence_penalty: float = 0.0  # in [-2, 2]; 0 = off
+    frequency_penalty: float = 0.0  # in [-2, 2]; 0 = off
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    grammar: GrammarSpec | None = None  # structured output: every node masked to the grammar
+    logprobs: int | None = None  # per output token: its logprob and the top-N (0 = the token's only)
+    prompt_logprobs: int | None = None  # per prompt token after the first: the same (echo with logprobs)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any path-dependent processor applies (the plain path skips them all)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+            or self.grammar is not None
+        )
 
     def __post_init__(self) -> None:
         problems = []
@@ -52,6 +105,16 @@ class RequestParams:
             problems.append(f"min_p = {self.min_p} must be in [0, 1]")
         if any(not s for s in self.stop):
             problems.append("stop strings must be non-empty")
+        if self.min_tokens < 0:
+            problems.append(f"min_tokens = {self.min_tokens} must be >= 0")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            problems.append(f"repetition_penalty = {self.repetition_penalty} must be > 0")
+        if not all(math.isfinite(x) for x in (self.presence_penalty, self.frequency_penalty)):
+            problems.append("presence_penalty and frequency_penalty must be finite")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            problems.append(f"logprobs = {self.logprobs} must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            problems.append(f"prompt_logprobs = {self.prompt_logprobs} must be in [0, {MAX_LOGPROBS}]")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -71,6 +134,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "length" (max_tokens), "stop" (EOS or a stop string), "abort"
     stop_reason: str | int | None = None  # the matched stop string, or the EOS token id
     text: str | None = None  # the whole output so far, when the engine has a detokenizer
+    logprobs: list[TokenLogprob] | None = None  # one per new_token_ids entry, if the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. , with the first output only
 
 
 @dataclass
@@ -91,6 +156,9 @@ class Sequence:
     asked: bool = False  # a tree is awaited for its next verify (the policy gave it depth > 0)
     lane: int = 0  # which half of the batch it is verified with (`Engine` lanes)
     text: str = ""  # detokenized output, kept only when stop strings need it
+    stop_ids: frozenset[int] = frozenset()  # EOS ids (unless ignore_eos) and stop_token_ids
+    grammar: GrammarMatcherLike | None = None  # structured output: the matcher at the committed tokens
+    prompt_logprobs: list[TokenLogprob] | None = None  # gathered while prefilling, sent with the first output
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -121,13 +189,15 @@ class Sequence:
         nodes = min(limit.max_nodes, rows_left) if depth else 1
         return TreeBudget(max_nodes=nodes, max_depth=depth, top_k=limit.top_k, q_width=limit.q_width)
 
-    def append(
-        self, new_tokens: list[int], eos_token_id: int | None, detokenize: Callable[[list[int]], str] | None
-    ) -> list[int]:
-        """Appends verified tokens up to the first stop; returns those to stream (EOS is not)."""
+    def append(self, new_tokens: list[int], detokenize: Callable[[list[int]], str] | None) -> list[int]:
+        """Appends verified tokens up to the first stop; returns those to stream (a stop id is not).
+
+        The grammar matcher, if any, follows every committed token, the stop id included."""
         emitted = []
         for token in new_tokens:
-            if token == eos_token_id and not self.params.ignore_eos:
+            if self.grammar is not None:
+                self.grammar.accept_token(token)
+            if token in self.stop_ids or (self.grammar is not None and self.grammar.is_terminated()):
                 self.finish_reason, self.stop_reason = "stop", token
                 break
             self.tokens.append(token)
@@ -144,6 +214,8 @@ class Sequence:
             raise ValueError("stop strings need an engine built with a detokenizer")
         # The earlier text held no stop string, so a match must end in the new characters.
         previous, self.text = self.text, detokenize(self.output_ids)
+        if len(self.output_ids) < self.params.min_tokens:  # vLLM: no stop before min_tokens
+            return False
         hit = find_stop(self.text, self.params.stop, checked=len(previous))
         if hit is None:
             return False

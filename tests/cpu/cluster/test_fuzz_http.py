@@ -149,6 +149,21 @@ SAMPLING = {
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "logprobs": st.booleans(),
     "user": TEXT,
+    # the sampling surface (issue 20): penalties, bias, stop ids and structured output
+    "presence_penalty": st.floats(-3, 3),
+    "frequency_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.floats(-1, 3),
+    "min_p": st.floats(-0.5, 1.5),
+    "min_tokens": st.integers(-1, 10),
+    "logit_bias": st.dictionaries(
+        st.one_of(st.integers(-5, 3000).map(str), TEXT), st.floats(-150, 150), max_size=4
+    ),
+    "stop_token_ids": st.lists(st.integers(-5, 3000), max_size=4),
+    "structured_outputs": st.one_of(
+        st.fixed_dictionaries({"regex": st.one_of(TEXT, st.just("[a-z]{1,3}"))}),
+        st.fixed_dictionaries({"choice": st.lists(TEXT, max_size=3)}),
+        st.fixed_dictionaries({"json": JSON}),
+    ),
 }
 COMPLETION = st.fixed_dictionaries(
     {"model": MODEL_NAME, "prompt": PROMPT, "stream": st.booleans()},
@@ -342,11 +357,15 @@ def test_tools_and_response_format_are_refused_not_ignored(base_url):
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
     cases = [
         ({"tools": [tool]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
     ]
     for extra, param in cases:
         status, _, data = send(base_url, "/v1/chat/completions", json.dumps(base | extra).encode())
         assert status == 400 and json.loads(data)["error"]["param"] == param, data
-    for extra in ({"tools": [tool], "tool_choice": "none"}, {"response_format": {"type": "text"}}):
+    for extra in (
+        {"tools": [tool], "tool_choice": "none"},
+        {"response_format": {"type": "text"}},
+        {"response_format": {"type": "json_object"}},
+    ):
         status, _, data = send(base_url, "/v1/chat/completions", json.dumps(base | extra).encode())
         assert status == 200, data

@@ -158,3 +158,175 @@ def test_overload_is_a_429_and_the_server_recovers(base_url):
     assert rejected["error"]["code"] == "overloaded"
     assert get(f"{base_url}/off/health")[0] == 200
     assert post(f"{base_url}/off/v1/completions", {**body, "max_tokens": 4})[0] == 200
+
+
+# ------------------------------------------------------------------------------ the sampling surface
+# Logprobs, penalties, the vLLM sampling extensions and structured output, speculation on
+# against off (issue 20). The engine-level tests cover them in depth; these check that each
+# field crosses the wire, in both endpoints' shapes, streamed and not.
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+PROCESSORS = {"frequency_penalty": 0.7, "presence_penalty": 0.3}
+VLLM_PROCESSORS = {"repetition_penalty": 1.3, "min_p": 0.05, "logit_bias": {"5": 2.0}}
+
+
+def _completion_logprobs(c, stream: bool):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0, logprobs=5, **PROCESSORS)
+    if not stream:
+        lp = c.completions.create(**kwargs, extra_body=VLLM_PROCESSORS).choices[0].logprobs
+        return lp.tokens, lp.token_logprobs, lp.top_logprobs
+    tokens, scores, tops = [], [], []
+    for chunk in c.completions.create(**kwargs, extra_body=VLLM_PROCESSORS, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            scores += chunk.choices[0].logprobs.token_logprobs
+            tops += chunk.choices[0].logprobs.top_logprobs
+    return tokens, scores, tops
+
+
+def _chat_logprobs(c, stream: bool):
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "def add(a, b):"}],
+        max_tokens=16,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        **PROCESSORS,
+    )
+    if not stream:
+        return c.chat.completions.create(**kwargs).choices[0].logprobs.content
+    return [
+        entry
+        for chunk in c.chat.completions.create(**kwargs, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+
+
+def test_greedy_logprobs_equal_speculation_off_streamed_and_not(base_url):
+    spec, off = client(base_url, "spec"), client(base_url, "off")
+    for stream in (False, True):
+        a, b = _completion_logprobs(spec, stream), _completion_logprobs(off, stream)
+        assert a[0] == b[0] and len(a[0]) == 24
+        assert max(abs(x - y) for x, y in zip(a[1], b[1], strict=True)) < 1e-4
+        for top_a, top_b in zip(a[2], b[2], strict=True):
+            assert top_a.keys() == top_b.keys() and all(abs(top_a[k] - top_b[k]) < 1e-4 for k in top_a)
+        a, b = _chat_logprobs(spec, stream), _chat_logprobs(off, stream)
+        assert [e.token for e in a] == [e.token for e in b] and len(a) > 0
+        for x, y in zip(a, b, strict=True):
+            assert abs(x.logprob - y.logprob) < 1e-4 and len(x.top_logprobs) == 3
+            assert [t.token for t in x.top_logprobs] == [t.token for t in y.top_logprobs]
+            assert (
+                max(abs(s.logprob - t.logprob) for s, t in zip(x.top_logprobs, y.top_logprobs, strict=True))
+                < 1e-4
+            )
+    # echo: the prompt's tokens first, the first with no logprob, then the output's.
+    echo = [
+        c.completions.create(
+            model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0, logprobs=2, echo=True
+        )
+        for c in (spec, off)
+    ]
+    lp = [e.choices[0].logprobs for e in echo]
+    assert lp[0].tokens == lp[1].tokens and "".join(lp[0].tokens) == echo[0].choices[0].text
+    assert lp[0].token_logprobs[0] is None and lp[0].top_logprobs[0] is None
+    assert (
+        max(abs(x - y) for x, y in zip(lp[0].token_logprobs[1:], lp[1].token_logprobs[1:], strict=True))
+        < 1e-4
+    )
+    assert lp[0].text_offset[-1] == len(echo[0].choices[0].text) - len(lp[0].tokens[-1])
+    whole, streamed = _completion_logprobs(spec, False), _completion_logprobs(spec, True)
+    assert (
+        whole[0] == streamed[0] and max(abs(x - y) for x, y in zip(whole[1], streamed[1], strict=True)) < 1e-4
+    )
+
+
+def test_structured_output_validates_and_greedy_equals_speculation_off(base_url):
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    spec, off = client(base_url, "spec"), client(base_url, "off")
+    messages = [{"role": "user", "content": "A person as JSON:"}]
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    sampled = spec.chat.completions.create(
+        model=MODEL, messages=messages, response_format=rf, n=5, temperature=1.0, seed=3, max_tokens=90
+    )
+    for choice in sampled.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    for extra in ({"response_format": rf}, {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}):
+        a, b = (
+            c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=90, **extra)
+            for c in (spec, off)
+        )
+        assert a.choices[0].message.content == b.choices[0].message.content
+    assert b.choices[0].message.content in ("yes", "no")
+    regex = spec.completions.create(
+        model=MODEL,
+        prompt="x = ",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}"}},
+    )
+    assert regex.choices[0].text.isdigit() and len(regex.choices[0].text) == 3
+
+
+def test_each_of_n_seeded_choices_is_reproducible_alone(base_url):
+    """Choice i of a request with seed s is the request with seed s + i and n = 1."""
+    spec = client(base_url, "spec")
+    kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, presence_penalty=0.5)
+    both = spec.completions.create(**kwargs, n=2, seed=40).choices
+    alone = spec.completions.create(**kwargs, n=1, seed=41).choices[0]
+    assert sorted(both, key=lambda c: c.index)[1].text == alone.text
+
+
+def test_stop_token_ids_min_tokens_and_logit_bias_reach_the_engine(base_url):
+    """logit_bias +100 makes token 7 the only choice; as a stop id it ends the output at once,
+    unless min_tokens masks it: then exactly min_tokens other tokens come first."""
+    spec = client(base_url, "spec")
+    kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0)
+    forced = {"logit_bias": {"7": 100}}
+    assert spec.completions.create(**kwargs, logit_bias={"7": 100}).usage.completion_tokens == 30
+    cut = spec.completions.create(**kwargs, extra_body=forced | {"stop_token_ids": [7]})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 0
+    late = spec.completions.create(**kwargs, extra_body=forced | {"stop_token_ids": [7], "min_tokens": 5})
+    assert late.choices[0].finish_reason == "stop" and late.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"best_of": 2}, "best_of"),
+        ({"suffix": "x"}, "suffix"),
+        ({"temprature": 0.5}, "temprature"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"stop_token_ids": [999999]}, "stop_token_ids"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+            "response_format",
+        ),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ],
+)
+def test_unimplemented_or_bad_fields_are_refused_not_ignored(base_url, body, param):
+    status, error = post(
+        f"{base_url}/spec/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2} | body
+    )
+    assert status == 400 and error["error"]["param"] == param, error
+    accepted = {"best_of": 1, "suffix": None, "user": "u", "metadata": {"k": "v"}, "logprobs": None}
+    assert (
+        post(f"{base_url}/spec/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2} | accepted)[
+            0
+        ]
+        == 200
+    )

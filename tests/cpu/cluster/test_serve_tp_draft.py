@@ -21,8 +21,13 @@ def base_url(tiny_family):
         yield url
 
 
-def _plain_greedy(family, prompt: str, max_tokens: int) -> str:
+def _plain_greedy(family, prompt: str, max_tokens: int, **params) -> str:
     """The reference: the engine in this process, no speculation, no Serve."""
+    return _plain(family, prompt, max_tokens, **params)[0]
+
+
+def _plain(family, prompt: str, max_tokens: int, **params) -> tuple[str, list[float]]:
+    """The reference's text and each output token's logprob (`params`: more RequestParams)."""
     from outrider.cluster.config import OutriderArgs
     from outrider.cluster.served_model import resolve_model
     from outrider.cluster.text import load_tokenizer
@@ -35,10 +40,15 @@ def _plain_greedy(family, prompt: str, max_tokens: int) -> str:
     runner = ModelRunner.from_pretrained(
         model.target_dir, max_model_len=model.max_model_len, kv_cache_rows=512
     )
-    engine = Engine(runner, None, eos_token_id=model.eos_token_id)
+    engine = Engine(runner, None, eos_token_id=model.eos_token_ids)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
-    (done,) = engine.generate([ids], RequestParams(max_tokens=max_tokens))
-    return tokenizer.decode(done.token_ids, skip_special_tokens=True)
+    seq_id = engine.add_request(ids, RequestParams(max_tokens=max_tokens, **params))
+    tokens, logprobs = [], []
+    for out in engine.stream():
+        assert out.request_id == seq_id
+        tokens += out.new_token_ids
+        logprobs += [e.logprob for e in out.logprobs or []]
+    return tokenizer.decode(tokens, skip_special_tokens=True), logprobs
 
 
 def test_tp2_target_with_draft_deployment(base_url, tiny_family):
@@ -57,6 +67,15 @@ def test_tp2_target_with_draft_deployment(base_url, tiny_family):
         status, answer = post(f"{base_url}/tp/v1/completions", body)
         assert status == 200, answer
         assert answer["choices"][0]["text"] == _plain_greedy(tiny_family, prompt * 2, 30)
+    # Penalties and logprobs through the gRPC drafter and the sharded target (issue 20).
+    processors = {"frequency_penalty": 0.8, "repetition_penalty": 1.3}
+    body = {"model": MODEL, "prompt": PROMPTS[1] * 2, "max_tokens": 30, "temperature": 0, "logprobs": 2}
+    status, answer = post(f"{base_url}/tp/v1/completions", body | processors)
+    assert status == 200, answer
+    text, logprobs = _plain(tiny_family, PROMPTS[1] * 2, 30, logprobs=2, **processors)
+    assert answer["choices"][0]["text"] == text
+    got = answer["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(got) == len(logprobs) and max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < 1e-4
     page = get(f"{base_url}/tp/metrics")[1]
     assert metric(page, "outrider:spec_decode_num_drafts_total") > 0
     assert metric(page, "outrider:draft_round_trips_total") > 0
