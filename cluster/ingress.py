@@ -61,6 +61,7 @@ from outrider.cluster.openai_api import (
     usage,
     validation_error,
 )
+from outrider.cluster.resume import ResumableStream
 from outrider.cluster.served_model import ServedModel
 from outrider.cluster.text import Detokenizer, apply_chat_template, load_tokenizer, longest_token_chars
 
@@ -286,8 +287,12 @@ class OpenAIIngress:
         return asked
 
     async def _open(self, prompt_ids: list[int], req: SamplingFields, max_tokens: int, index: int):
-        """Start one choice on the target; returns once the target admitted it."""
+        """Start one choice on the target; returns once the target admitted it. The stream
+        resumes on another replica if its replica dies (`cluster.resume`)."""
         request = GenerateRequest(tuple(prompt_ids), req.request_params(max_tokens, index))
+        return await ResumableStream.open(request, self._start, on_resume=self.metrics.resumed)
+
+    async def _start(self, request: GenerateRequest):
         stream = self.target.options(stream=True).generate.remote(request)
         first = await stream.__anext__()  # the admitted chunk, or the overload error
         assert first.admitted, "the target's stream must open with an admitted chunk"

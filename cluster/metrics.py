@@ -68,6 +68,7 @@ class Metrics:
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.errors: dict[int, int] = {}
+        self.resumes = 0  # choices moved to another target replica after theirs died (cluster.resume)
         self.snapshots: dict[str, ReplicaSnapshot] = {}  # target replica -> its latest counters
         self.drafts: dict[str, DraftAnnouncement] = {}  # draft replica -> its latest counters
 
@@ -87,6 +88,10 @@ class Metrics:
     def error(self, status: int) -> None:
         with self._lock:
             self.errors[status] = self.errors.get(status, 0) + 1
+
+    def resumed(self, error: BaseException) -> None:
+        with self._lock:
+            self.resumes += 1
 
     def snapshot(self, snap: ReplicaSnapshot) -> None:
         with self._lock:
@@ -253,6 +258,11 @@ class Metrics:
                 "counter",
                 "Requests answered with an error, by HTTP status.",
                 [(f',status="{s}"', n) for s, n in sorted(self.errors.items())],
+            )
+            counter(
+                "request_resumes",
+                self.resumes,
+                "Choices resumed on another target replica after theirs died mid-request.",
             )
             for name, hist, help_ in (
                 ("time_to_first_token_seconds", self.ttft, "Time to first token, at the ingress."),
