@@ -91,6 +91,7 @@ class DraftAnnouncement:
     trees_pushed: int = 0  # pre-drafted trees pushed ahead of their round
     batches: int = 0  # propose() calls
     drafting_s: float = 0.0  # time inside propose()
+    trees_by_target: tuple[tuple[str, int], ...] = ()  # (target application, trees sent to it), sorted
 
     @classmethod
     def total(cls, announcements: list[DraftAnnouncement]) -> DraftAnnouncement:
@@ -98,12 +99,21 @@ class DraftAnnouncement:
         return _total(cls(address="*", replica="*"), announcements)
 
 
+def by_target(announcements: list[DraftAnnouncement]) -> dict[str, int]:
+    """Trees sent per target application, summed over draft replicas."""
+    sums: dict[str, int] = {}
+    for announcement in announcements:
+        for target, trees in announcement.trees_by_target:
+            sums[target] = sums.get(target, 0) + trees
+    return sums
+
+
 def _total(zero, items: list):
     """`zero` with each numeric field replaced by its sum over `items` (tuples summed per index)."""
     sums = {}
     for f in fields(zero):
         value = getattr(zero, f.name)
-        if isinstance(value, str):
+        if isinstance(value, str) or f.name.endswith("_by_target"):  # labelled: see `by_target`
             continue
         if isinstance(value, tuple):
             per_index: list[int] = []

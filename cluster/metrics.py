@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from outrider.cluster.messages import DraftAnnouncement, ReplicaSnapshot
+from outrider.cluster.messages import DraftAnnouncement, ReplicaSnapshot, by_target
 
 PREFIX = "outrider:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
@@ -234,6 +234,12 @@ class Metrics:
                 "spec_cache_lookups", d.cache_lookups, "Draft rounds that looked in the speculation cache."
             )
             counter("draft_trees_sent", d.trees_sent, "Candidate trees the draft replicas sent.")
+            metric(
+                "draft_trees_sent_by_target",
+                "counter",
+                "Candidate trees the draft replicas sent, per target application (a shared pool).",
+                [(f',target="{t}"', n) for t, n in sorted(by_target(list(self.drafts.values())).items())],
+            )
             counter(
                 "draft_trees_pushed",
                 d.trees_pushed,

@@ -16,6 +16,7 @@ from outrider.proto.handshake import (
     INCARNATION_METADATA,
     PROTOCOL_VERSION,
     STALE_INCARNATION,
+    TARGET_METADATA,
     FeatureSpec,
     HandshakeRequest,
     HandshakeResponse,
@@ -48,6 +49,7 @@ from outrider.proto.validation import PROB_TOLERANCE, check_trees, receive_trees
 __all__ = [
     "INCARNATION_METADATA",
     "STALE_INCARNATION",
+    "TARGET_METADATA",
     "stale_incarnation",
     "FEATURE_DTYPES",
     "PROB_TOLERANCE",

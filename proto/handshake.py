@@ -270,6 +270,7 @@ def _feature_mismatches(request: HandshakeRequest, features: FeatureSpec) -> lis
 
 
 INCARNATION_METADATA = "outrider-incarnation"  # Draft stream metadata: the incarnation handshook with
+TARGET_METADATA = "outrider-target"  # Draft stream metadata: the target's label, for per-target counters
 STALE_INCARNATION = "stale incarnation"  # how the ABORTED details of a refused stream begin
 
 

@@ -17,6 +17,7 @@ import grpc
 from outrider.draft_worker.server.batcher import DraftBatcher
 from outrider.draft_worker.server.streams import Stream, StreamError
 from outrider.proto import (
+    TARGET_METADATA,
     HandshakeMismatchError,
     HandshakeRequest,
     HandshakeResponse,
@@ -80,10 +81,11 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     def Draft(
         self, request_iterator: Iterator[pb.DraftRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.DraftResponse]:
-        stale = stale_incarnation(context.invocation_metadata(), self.incarnation)
+        metadata = dict(context.invocation_metadata() or ())
+        stale = stale_incarnation(metadata.items(), self.incarnation)
         if stale is not None:  # the target handshook with the process this one replaced
             context.abort(grpc.StatusCode.ABORTED, stale)
-        stream = self.batcher.open_stream()
+        stream = self.batcher.open_stream(target=metadata.get(TARGET_METADATA, ""))
         # Runs when the RPC ends for any reason (target gone, cancelled, deadline, shutdown).
         context.add_callback(lambda: (self.batcher.close_stream(stream), stream.outbox.put(None)))
         reader = threading.Thread(

@@ -29,6 +29,7 @@ class DraftClientConfig:
     tls: ClientTls | None = None
     features: FeatureSpec = FeatureSpec()  # expected until a worker's handshake says otherwise
     trust_q: bool = False  # verify with the workers' q (the operator trusts their sampling; audited)
+    target_label: str = ""  # who this target is to a shared draft pool (its per-target counters)
 
 
 @dataclass

@@ -28,6 +28,7 @@ import grpc
 from outrider.proto import (
     INCARNATION_METADATA,
     STALE_INCARNATION,
+    TARGET_METADATA,
     HandshakeMismatchError,
     HandshakeRequest,
     HandshakeResponse,
@@ -201,7 +202,8 @@ class Connections:
             if self._closed.is_set() or endpoint.removed:
                 return False
             fence = ((INCARNATION_METADATA, str(response.incarnation)),) if response.incarnation else ()
-            endpoint.call = stub.Draft(drain(outbox), metadata=(*(metadata or ()), *fence))
+            label = ((TARGET_METADATA, self.config.target_label),) if self.config.target_label else ()
+            endpoint.call = stub.Draft(drain(outbox), metadata=(*(metadata or ()), *fence, *label))
             if endpoint.generation > 0:
                 self.counters.reconnects += 1
             if endpoint.incarnation and response.incarnation != endpoint.incarnation:
