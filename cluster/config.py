@@ -172,6 +172,14 @@ class DraftPoolArgs(_Strict):
         "for colocated, deployment and shared (the operator's own code on the same Ray cluster), "
         "untrusted for external.",
     )
+    target_busy_fraction: float = Field(
+        0.6,
+        gt=0,
+        le=1,
+        description="With `autoscaling`: the share of its time each draft replica should spend drafting "
+        "(`DraftLoadPolicy`: replicas = total drafting load / this). Above ~0.6 rounds queue behind each "
+        "other and miss the target's deadline; a cheap drafter may want a lower value to scale out early.",
+    )
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per draft replica.")
     gpus_per_replica: float = Field(
         1.0, ge=0, description="GPUs per draft replica where a draft pool exists."

@@ -198,6 +198,54 @@ def test_target_replica_killed_mid_stream_resumes_token_exact(topology):
     assert resumed >= 1  # the victim held some of the 12 choices; each went on elsewhere
 
 
+def test_ingress_killed_mid_stream_is_a_clean_error_not_a_hang(topology):
+    """The ingress holds the client's connection: when it dies the stream ends at once, without
+    OpenAI's [DONE] sentinel (the client knows the answer is incomplete), and Serve's restarted
+    ingress answers the next request."""
+    import http.client
+    import json
+    from urllib.parse import urlparse
+
+    import ray
+
+    (ingress,) = actors("pool", "OpenAIIngress")
+    victim = ray.get_actor(ingress.name, namespace="serve")
+    url = urlparse(topology.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)  # a hang fails here
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    client = topology.client("pool")
+    with cf.ThreadPoolExecutor(8) as background:  # a busy server, so the stream is slow enough to cut
+        for prompt in PROMPTS + PROMPTS[:2]:
+            background.submit(complete, client, prompt, False)
+        time.sleep(0.5)
+        connection.request(
+            "POST", "/pool/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")  # the stream is under way
+        started = time.monotonic()
+        ray.kill(victim, no_restart=True)
+        rest = b""
+        try:
+            while chunk := response.read1(65536):
+                rest += chunk
+        except (http.client.IncompleteRead, ConnectionError) as error:  # also a clean end
+            rest += getattr(error, "partial", b"")
+        assert time.monotonic() - started < 30
+        assert b"data: [DONE]" not in rest
+        connection.close()
+    deadline = time.monotonic() + 60  # Serve restarts the ingress replica
+    while True:
+        try:
+            text, n = complete(topology.client("pool"), PROMPTS[1], stream=False)
+            break
+        except openai.APIError:
+            assert time.monotonic() < deadline
+            time.sleep(1)
+    assert (text, n) == (topology.reference[PROMPTS[1]], MAX_TOKENS)
+
+
 def test_draft_node_removed_mid_load(topology):
     drafts = actors("pool", "DraftWorker")
     node = next(n for n in topology.small if n.node_id == drafts[0].node_id)
