@@ -6,7 +6,8 @@ Its four jobs, and nothing else (docs/architecture.md, "How the code reads"):
    answer errors in OpenAI's JSON shape with the right status;
 2. turn prompts and chat messages into token ids (the tokenizer's chat template);
 3. fan `n` choices out to the target deployment as streams of token ids, and turn those
-   back into text, cutting at stop strings;
+   back into text, cutting at stop strings (a choice whose replica dies goes on on another
+   from the tokens already sent: `cluster.resume`);
 4. serve `/v1/models`, `/health` and `/metrics`.
 
 With `api_key_file` set, every /v1 route first checks `Authorization: Bearer <key>` and
