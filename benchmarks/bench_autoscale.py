@@ -102,8 +102,8 @@ def start_cluster():
 class Sampler:
     """Every `period_s`: replicas per deployment, queue gauges, drafters' busy share; RSS every 10th."""
 
-    def __init__(self, base_url: str, period_s: float = 1.0):
-        self.base_url, self.period_s = base_url, period_s
+    def __init__(self, base_url: str, ray_address: str, period_s: float = 1.0):
+        self.base_url, self.ray_address, self.period_s = base_url, ray_address, period_s
         self.samples: list[dict] = []
         self.memory: dict[str, list[tuple[float, int]]] = {}  # process -> [(t, rss bytes)]
         self._stop = threading.Event()
@@ -169,7 +169,7 @@ class Sampler:
         from ray.util.state import list_actors
 
         now = time.monotonic() - self._t0
-        for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+        for actor in list_actors(address=self.ray_address, filters=[("state", "=", "ALIVE")], limit=1000):
             rss = read_rss(actor.pid)
             if rss is not None:
                 key = f"{actor.class_name} {actor.name or actor.actor_id[:8]} pid {actor.pid}"
@@ -203,7 +203,7 @@ def reference_answers(base_url: str) -> dict[str, str]:
     return answers
 
 
-def killer(stop: threading.Event, every_s: float, log: list, t0: float) -> None:
+def killer(stop: threading.Event, every_s: float, log: list, t0: float, ray_address: str) -> None:
     """Kill a target replica, then a draft replica, ... every `every_s` until `stop`."""
     import ray
     from ray.util.state import list_actors
@@ -213,7 +213,8 @@ def killer(stop: threading.Event, every_s: float, log: list, t0: float) -> None:
         deployment = DEPLOYMENTS[turn % 2]
         turn += 1
         alive = list_actors(
-            filters=[("class_name", "=", f"ServeReplica:{APP}:{deployment}"), ("state", "=", "ALIVE")]
+            address=ray_address,
+            filters=[("class_name", "=", f"ServeReplica:{APP}:{deployment}"), ("state", "=", "ALIVE")],
         )
         if not alive:
             continue
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
         phases = [Phase(15, 1), Phase(args.load_s, args.concurrency), Phase(60, 1), Phase(45, 0)]
         generator = LoadGenerator(base_url, MODEL, PROMPTS, max_tokens=48, reference=reference)
-        sampler = Sampler(base_url)
+        sampler = Sampler(base_url, cluster.address)
         sampler.start(time.monotonic())
         phase_starts: list[float] = []
         records = generator.run(phases, on_phase=lambda i, p, t: phase_starts.append(round(t, 2)))
@@ -268,11 +269,13 @@ def main(argv: list[str] | None = None) -> int:
             soak = LoadGenerator(
                 base_url, MODEL, PROMPTS, max_tokens=48, mix=mix, reference=reference, seed=1
             )
-            sampler = Sampler(base_url)
+            sampler = Sampler(base_url, cluster.address)
             t0 = time.monotonic()
             sampler.start(t0)
             stop, kills = threading.Event(), []
-            threading.Thread(target=killer, args=(stop, args.kill_every_s, kills, t0), daemon=True).start()
+            threading.Thread(
+                target=killer, args=(stop, args.kill_every_s, kills, t0, cluster.address), daemon=True
+            ).start()
             records = soak.run([Phase(60 * args.soak_minutes, args.soak_concurrency)])
             stop.set()
             sampler.stop()

@@ -99,12 +99,13 @@ def topology(tiny_family):
         cluster.shutdown()
 
 
-def actors(app: str, deployment: str) -> list:
+def actors(topology: Topology, app: str, deployment: str) -> list:
+    """The live replica actors of one deployment, from this cluster's state API (the address is
+    explicit: another Ray on the same machine must not answer)."""
     from ray.util.state import list_actors
 
-    return list_actors(
-        filters=[("class_name", "=", f"ServeReplica:{app}:{deployment}"), ("state", "=", "ALIVE")]
-    )
+    filters = [("class_name", "=", f"ServeReplica:{app}:{deployment}"), ("state", "=", "ALIVE")]
+    return list_actors(address=topology.cluster.address, filters=filters)
 
 
 def complete(client, prompt: str, stream: bool, started: threading.Event | None = None) -> tuple[str, int]:
@@ -157,11 +158,11 @@ def trees_sent_to(page: str, app: str) -> float:
 def test_replicas_land_on_their_pools(topology):
     large = {n.node_id for n in topology.large}
     small = {n.node_id for n in topology.small}
-    targets = actors("pool", "TargetWorker") + actors("peer", "TargetWorker")
-    drafts = actors("pool", "DraftWorker")
+    targets = actors(topology, "pool", "TargetWorker") + actors(topology, "peer", "TargetWorker")
+    drafts = actors(topology, "pool", "DraftWorker")
     assert len(targets) == 3 and {a.node_id for a in targets} <= large
     assert len(drafts) == 2 and {a.node_id for a in drafts} == small  # one per small node
-    assert actors("peer", "DraftWorker") == []  # `peer` drafts with `pool`'s replicas
+    assert actors(topology, "peer", "DraftWorker") == []  # `peer` drafts with `pool`'s replicas
 
 
 def test_one_draft_pool_serves_both_applications(topology):
@@ -186,7 +187,7 @@ def test_one_draft_pool_serves_both_applications(topology):
 def test_target_replica_killed_mid_stream_resumes_token_exact(topology):
     import ray
 
-    victim = actors("pool", "TargetWorker")[0]
+    victim = actors(topology, "pool", "TargetWorker")[0]
     before = metric(get(f"{topology.url}/pool/metrics")[1], "outrider:request_resumes_total")
 
     def kill() -> None:
@@ -208,7 +209,7 @@ def test_ingress_killed_mid_stream_is_a_clean_error_not_a_hang(topology):
 
     import ray
 
-    (ingress,) = actors("pool", "OpenAIIngress")
+    (ingress,) = actors(topology, "pool", "OpenAIIngress")
     victim = ray.get_actor(ingress.name, namespace="serve")
     url = urlparse(topology.url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)  # a hang fails here
@@ -247,7 +248,7 @@ def test_ingress_killed_mid_stream_is_a_clean_error_not_a_hang(topology):
 
 
 def test_draft_node_removed_mid_load(topology):
-    drafts = actors("pool", "DraftWorker")
+    drafts = actors(topology, "pool", "DraftWorker")
     node = next(n for n in topology.small if n.node_id == drafts[0].node_id)
 
     def remove() -> None:
