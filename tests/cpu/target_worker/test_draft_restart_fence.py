@@ -116,7 +116,8 @@ def test_the_target_hands_a_stale_stream_back_and_handshakes_again(tiny_family, 
     try:
         assert source.wait_ready(20)
         deadline = time.monotonic() + 10
-        while source.counters.stale_streams == 0 or not source.endpoints[0].healthy:
+        endpoint = source.endpoints[0]
+        while source.counters.stale_streams == 0 or endpoint.incarnation != lied[0] or not endpoint.healthy:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert source.endpoints[0].incarnation == lied[0]  # the true one, from the second handshake
