@@ -178,7 +178,9 @@ def plot_autoscale(samples, records, starts, phases, path: Path) -> None:
     plt.close(fig)
 
 
-def write_soak(out: Path, meta: dict, minutes: float, records, samples, memory, kills) -> list[Path]:
+def write_soak(
+    out: Path, meta: dict, minutes: float, records, samples, memory, kills, resumes=None
+) -> list[Path]:
     per_minute = []
     for minute in range(int(minutes + 0.999)):
         rs = [r for r in records if minute * 60 <= r.start < (minute + 1) * 60]
@@ -216,6 +218,7 @@ def write_soak(out: Path, meta: dict, minutes: float, records, samples, memory, 
         "greedy_checked": sum(r.greedy and r.ok and r.kind != "disconnect" for r in records),
         "disconnects": sum(r.kind == "disconnect" for r in records),
         "kills": kills,
+        "resumes": resumes,  # choices the ingress resumed on another target replica (/metrics)
         "errors": sorted({r.error for r in failed})[:20],
     }
     report = {
@@ -241,6 +244,8 @@ def write_soak(out: Path, meta: dict, minutes: float, records, samples, memory, 
         f"{summary['disconnects']} client hang-ups.",
         "",
         "Kills: " + (", ".join(f"{k['killed']} at {k['t']} s" for k in kills) or "none") + ".",
+        "",
+        f"Choices resumed on another target replica after theirs was killed: {resumes}.",
         "",
         "Errors: " + ("; ".join(summary["errors"]) or "none") + ".",
         "",

@@ -176,6 +176,13 @@ class Sampler:
                 self.memory.setdefault(key, []).append((round(now, 1), rss))
 
 
+def counter(base_url: str, name: str) -> float:
+    """One counter of the application's /metrics page, now."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
+        page = response.read().decode()
+    return gauge(page, name)
+
+
 def gauge(page: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(name + "{"))
 
@@ -272,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             sampler = Sampler(base_url, cluster.address)
             t0 = time.monotonic()
             sampler.start(t0)
+            resumed_before = counter(base_url, "outrider:request_resumes_total")
             stop, kills = threading.Event(), []
             threading.Thread(
                 target=killer, args=(stop, args.kill_every_s, kills, t0, cluster.address), daemon=True
@@ -279,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             records = soak.run([Phase(60 * args.soak_minutes, args.soak_concurrency)])
             stop.set()
             sampler.stop()
-            write_soak(args.out, meta, args.soak_minutes, records, sampler.samples, sampler.memory, kills)
+            resumes = counter(base_url, "outrider:request_resumes_total") - resumed_before
+            write_soak(
+                args.out, meta, args.soak_minutes, records, sampler.samples, sampler.memory, kills, resumes
+            )
         print(f"done in {time.monotonic() - began:.0f} s")
     finally:
         serve.shutdown()
