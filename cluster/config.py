@@ -147,10 +147,17 @@ class TargetDeploymentArgs(_Strict):
 class DraftPoolArgs(_Strict):
     """Where drafting happens: in the target process, a draft deployment, or external servers."""
 
-    mode: Literal["colocated", "deployment", "external"] = Field(
+    mode: Literal["colocated", "deployment", "external", "shared"] = Field(
         "colocated",
         description="colocated: the proposer runs inside each target replica; deployment: a Ray Serve "
-        "draft deployment of gRPC draft servers; external: the `draft_endpoints` addresses.",
+        "draft deployment of gRPC draft servers; external: the `draft_endpoints` addresses; shared: the "
+        "draft deployment of another application on the same Ray cluster (`shared_app`).",
+    )
+    shared_app: str | None = Field(
+        None,
+        description="The Serve application whose draft deployment this application's targets draft "
+        "with (sets mode=shared): one draft pool serving several target deployments, each of its "
+        "replicas batching rounds across them. The applications must serve the same vocabulary.",
     )
     draft_endpoints: list[str] = Field(
         default_factory=list,
@@ -172,7 +179,16 @@ class DraftPoolArgs(_Strict):
         "makes this drafter's sampling part of your correctness: a buggy or hostile drafter could "
         "then bias sampled output (an audit watches for it and revokes trust). Untrusted trees are "
         "verified as deterministic proposals, lossless whatever they hold. Default (null): trusted "
-        "for colocated and deployment (the application's own code), untrusted for external.",
+        "for colocated, deployment and shared (the operator's own code on the same Ray cluster), "
+        "untrusted for external.",
+    )
+    target_busy_fraction: float = Field(
+        0.6,
+        gt=0,
+        le=1,
+        description="With `autoscaling`: the share of its time each draft replica should spend drafting "
+        "(`DraftLoadPolicy`: replicas = total drafting load / this). Above ~0.6 rounds queue behind each "
+        "other and miss the target's deadline; a cheap drafter may want a lower value to scale out early.",
     )
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per draft replica.")
     gpus_per_replica: float = Field(
@@ -251,6 +267,12 @@ class DraftPoolArgs(_Strict):
 
     @model_validator(mode="after")
     def _endpoints_mean_external(self) -> DraftPoolArgs:
+        if self.shared_app and self.draft_endpoints:
+            raise ValueError("draft_pool: shared_app and draft_endpoints exclude each other")
+        if self.shared_app:
+            self.mode = "shared"
+        elif self.mode == "shared":
+            raise ValueError("draft_pool.mode 'shared' needs shared_app (the application that owns the pool)")
         if self.draft_endpoints:
             self.mode = "external"
         elif self.mode == "external":

@@ -75,6 +75,7 @@ class DraftWorker:
             trees_pushed=s.trees_pushed,
             batches=s.batches,
             drafting_s=s.drafting_s,
+            trees_by_target=tuple(sorted(s.trees_by_target.items())),
         )
 
     def _heartbeat(self) -> None:

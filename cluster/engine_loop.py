@@ -19,7 +19,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ class _Pending:
     params: RequestParams | None  # None: the engine's defaults
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    output_ids: list[int] = field(default_factory=list)  # already emitted (a resumed choice)
     engine_id: int = -1  # the engine's own request id, once added
 
 
@@ -67,7 +68,9 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ handler side
 
-    def submit(self, prompt_ids: list[int], params: RequestParams | None) -> tuple[int, asyncio.Queue]:
+    def submit(
+        self, prompt_ids: list[int], params: RequestParams | None, output_ids: list[int] | None = None
+    ) -> tuple[int, asyncio.Queue]:
         """Queue a request; its queue gets `RequestOutput`s, or an exception, until finished."""
         loop = asyncio.get_running_loop()
         with self._cond:
@@ -78,7 +81,7 @@ class EngineLoop:
                     f"{len(self._live)} sequences running and {len(self._waiting)} queued (limit {self.max_queued})"
                 )
             self._next_id += 1
-            pending = _Pending(self._next_id, prompt_ids, params, loop, asyncio.Queue())
+            pending = _Pending(self._next_id, prompt_ids, params, loop, asyncio.Queue(), output_ids or [])
             self._waiting.append(pending)
             self._cond.notify()
             return pending.request_id, pending.queue
@@ -141,7 +144,9 @@ class EngineLoop:
 
     def _admit(self, pending: _Pending) -> None:
         try:
-            pending.engine_id = self.engine.add_request(pending.prompt_ids, pending.params)
+            pending.engine_id = self.engine.add_request(
+                pending.prompt_ids, pending.params, pending.output_ids
+            )
         except (ValueError, RuntimeError) as e:  # refused (does not fit the cache, bad params)
             pending.loop.call_soon_threadsafe(pending.queue.put_nowait, e)
             return

@@ -6,7 +6,8 @@ Its four jobs, and nothing else (docs/architecture.md, "How the code reads"):
    answer errors in OpenAI's JSON shape with the right status;
 2. turn prompts and chat messages into token ids (the tokenizer's chat template);
 3. fan `n` choices out to the target deployment as streams of token ids, and turn those
-   back into text, cutting at stop strings;
+   back into text, cutting at stop strings (a choice whose replica dies goes on on another
+   from the tokens already sent: `cluster.resume`);
 4. serve `/v1/models`, `/health` and `/metrics`.
 
 With `api_key_file` set, every /v1 route first checks `Authorization: Bearer <key>` and
@@ -62,6 +63,7 @@ from outrider.cluster.openai_api import (
     validation_error,
 )
 from outrider.cluster.openai_fields import chat_logprobs, completion_logprobs
+from outrider.cluster.resume import ResumableStream
 from outrider.cluster.served_model import ServedModel
 from outrider.cluster.text import Detokenizer, apply_chat_template, load_tokenizer, longest_token_chars
 from outrider.target_worker.sequence import GrammarSpec, RequestParams
@@ -302,8 +304,12 @@ class OpenAIIngress:
         return asked
 
     async def _open(self, prompt_ids: list[int], params: RequestParams):
-        """Start one choice on the target; returns once the target admitted it."""
+        """Start one choice on the target; returns once the target admitted it. The stream
+        resumes on another replica if its replica dies (`cluster.resume`)."""
         request = GenerateRequest(tuple(prompt_ids), params)
+        return await ResumableStream.open(request, self._start, on_resume=self.metrics.resumed)
+
+    async def _start(self, request: GenerateRequest):
         stream = self.target.options(stream=True).generate.remote(request)
         first = await stream.__anext__()  # the admitted chunk, or the overload error
         assert first.admitted, "the target's stream must open with an admitted chunk"

@@ -28,6 +28,9 @@ class GenerateRequest:
 
     prompt_token_ids: tuple[int, ...]  # [num_prompt_tokens], already checked against the vocabulary
     params: RequestParams  # max_tokens fitted to the context; stop strings stay at the ingress
+    # Tokens the choice already emitted (a resume after its replica died): the engine continues
+    # after them as its own output (penalties, grammar, min/max_tokens count them).
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class DraftAnnouncement:
     trees_pushed: int = 0  # pre-drafted trees pushed ahead of their round
     batches: int = 0  # propose() calls
     drafting_s: float = 0.0  # time inside propose()
+    trees_by_target: tuple[tuple[str, int], ...] = ()  # (target application, trees sent to it), sorted
 
     @classmethod
     def total(cls, announcements: list[DraftAnnouncement]) -> DraftAnnouncement:
@@ -105,12 +109,21 @@ class DraftAnnouncement:
         return _total(cls(address="*", replica="*"), announcements)
 
 
+def by_target(announcements: list[DraftAnnouncement]) -> dict[str, int]:
+    """Trees sent per target application, summed over draft replicas."""
+    sums: dict[str, int] = {}
+    for announcement in announcements:
+        for target, trees in announcement.trees_by_target:
+            sums[target] = sums.get(target, 0) + trees
+    return sums
+
+
 def _total(zero, items: list):
     """`zero` with each numeric field replaced by its sum over `items` (tuples summed per index)."""
     sums = {}
     for f in fields(zero):
         value = getattr(zero, f.name)
-        if isinstance(value, str):
+        if isinstance(value, str) or f.name.endswith("_by_target"):  # labelled: see `by_target`
             continue
         if isinstance(value, tuple):
             per_index: list[int] = []

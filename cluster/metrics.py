@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from outrider.cluster.messages import DraftAnnouncement, ReplicaSnapshot
+from outrider.cluster.messages import DraftAnnouncement, ReplicaSnapshot, by_target
 
 PREFIX = "outrider:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
@@ -69,6 +69,7 @@ class Metrics:
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.errors: dict[int, int] = {}
+        self.resumes = 0  # choices moved to another target replica after theirs died (cluster.resume)
         self.snapshots: dict[str, ReplicaSnapshot] = {}  # target replica -> its latest counters
         self.drafts: dict[str, DraftAnnouncement] = {}  # draft replica -> its latest counters
 
@@ -88,6 +89,10 @@ class Metrics:
     def error(self, status: int) -> None:
         with self._lock:
             self.errors[status] = self.errors.get(status, 0) + 1
+
+    def resumed(self, error: BaseException) -> None:
+        with self._lock:
+            self.resumes += 1
 
     def snapshot(self, snap: ReplicaSnapshot) -> None:
         with self._lock:
@@ -243,6 +248,12 @@ class Metrics:
                 "spec_cache_lookups", d.cache_lookups, "Draft rounds that looked in the speculation cache."
             )
             counter("draft_trees_sent", d.trees_sent, "Candidate trees the draft replicas sent.")
+            metric(
+                "draft_trees_sent_by_target",
+                "counter",
+                "Candidate trees the draft replicas sent, per target application (a shared pool).",
+                [(f',target="{t}"', n) for t, n in sorted(by_target(list(self.drafts.values())).items())],
+            )
             counter(
                 "draft_trees_pushed",
                 d.trees_pushed,
@@ -267,6 +278,11 @@ class Metrics:
                 "counter",
                 "Requests answered with an error, by HTTP status.",
                 [(f',status="{s}"', n) for s, n in sorted(self.errors.items())],
+            )
+            counter(
+                "request_resumes",
+                self.resumes,
+                "Choices resumed on another target replica after theirs died mid-request.",
             )
             for name, hist, help_ in (
                 ("time_to_first_token_seconds", self.ttft, "Time to first token, at the ingress."),

@@ -88,7 +88,7 @@ def draft_options(args: OutriderArgs, pools: PoolAssignment) -> dict[str, Any]:
     gpu = placement_resources("draft", pools, args.draft_pool.gpus_per_replica)
     policy = {
         "policy_function": "outrider.cluster.placement:DraftLoadPolicy",
-        "policy_kwargs": {"target_busy_fraction": DRAFT_TARGET_BUSY},
+        "policy_kwargs": {"target_busy_fraction": args.draft_pool.target_busy_fraction},
     }
     return {
         "ray_actor_options": {"num_cpus": args.draft_pool.num_cpus, **gpu},

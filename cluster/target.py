@@ -98,7 +98,9 @@ class TargetWorker:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
         if request.params.grammar is not None:  # compiled (and cached) here, not on the step thread
             await asyncio.to_thread(self.engine.grammars.compile, request.params.grammar)
-        request_id, queue = self.loop.submit(list(request.prompt_token_ids), request.params)  # may raise 429
+        request_id, queue = self.loop.submit(  # may raise 429
+            list(request.prompt_token_ids), request.params, list(request.output_token_ids)
+        )
         yield StreamChunk(admitted=True)
         finished = False
         try:
@@ -293,7 +295,9 @@ def build_draft_source(args: OutriderArgs, model: ServedModel, runner, app_name:
         tokenizer_fingerprint,
     )
 
-    addresses = pool.draft_endpoints if pool.mode == "external" else wait_for_draft_endpoints(app_name)
+    # Whose registry lists the pool: this application's, or the one it shares (mode "shared").
+    pool_app = pool.shared_app or app_name
+    addresses = pool.draft_endpoints if pool.mode == "external" else wait_for_draft_endpoints(pool_app)
     budget = args.tree_budget_limit
     handshake = HandshakeRequest(
         target_model_id=model.name,
@@ -315,11 +319,15 @@ def build_draft_source(args: OutriderArgs, model: ServedModel, runner, app_name:
         addresses,
         handshake,
         DraftClientConfig(
-            round_deadline_s=pool.round_deadline_ms / 1000, tls=tls, token=token, trust_q=pool.trusts_drafts
+            round_deadline_s=pool.round_deadline_ms / 1000,
+            tls=tls,
+            token=token,
+            trust_q=pool.trusts_drafts,
+            target_label=app_name,  # the draft servers count rounds per target application
         ),
     )
     if not source.wait_ready(timeout_s=60):
         log.warning("no draft worker reachable at %s yet; decoding without drafts until one is", addresses)
     # The deployment's replicas come and go with autoscaling; external addresses are fixed.
-    watcher = DraftPoolWatcher(source, addresses, app_name) if pool.mode != "external" else None
+    watcher = DraftPoolWatcher(source, addresses, pool_app) if pool.mode != "external" else None
     return TimedDraftSource(source, client_counters=source.counters, watcher=watcher)

@@ -13,12 +13,16 @@ This package imports nothing else from the repository (docs/architecture.md, "La
 
 from outrider.proto.errors import HandshakeMismatchError, InvalidDraftError
 from outrider.proto.handshake import (
+    INCARNATION_METADATA,
     PROTOCOL_VERSION,
+    STALE_INCARNATION,
+    TARGET_METADATA,
     FeatureSpec,
     HandshakeRequest,
     HandshakeResponse,
     Limits,
     check_handshake,
+    stale_incarnation,
     vocab_fingerprint,
 )
 from outrider.proto.messages import (
@@ -43,6 +47,10 @@ from outrider.proto.tree import CandidateTree, DraftResponse, DraftSampling
 from outrider.proto.validation import PROB_TOLERANCE, check_trees, receive_trees, validate_tree
 
 __all__ = [
+    "INCARNATION_METADATA",
+    "STALE_INCARNATION",
+    "TARGET_METADATA",
+    "stale_incarnation",
     "FEATURE_DTYPES",
     "PROB_TOLERANCE",
     "PROTOCOL_VERSION",

@@ -8,6 +8,11 @@ names every mismatch at once, so one restart fixes them all.
 
 The target (the gRPC client) sends a HandshakeRequest, the drafter answers with a
 HandshakeResponse, and the target calls `check_handshake` to get the negotiated Limits.
+
+The restart fence: the response carries the server's `incarnation`, drawn when it started.
+The target opens its Draft stream with it in the `INCARNATION_METADATA` key, and a server
+that is another incarnation refuses the stream (`stale_incarnation`): the channel reached a
+restarted process that never saw the handshake and holds none of the target's sequences.
 """
 
 from __future__ import annotations
@@ -167,6 +172,7 @@ class HandshakeResponse:
     target_model_id: str = ""  # the target this drafter was trained for; "" = any
     protocol_version: int = PROTOCOL_VERSION
     projection_sha256: str = ""  # set iff features.projected: the fc the target must apply
+    incarnation: int = 0  # drawn at the server's start; 0 = a server that does not say (no fence)
 
     def to_proto(self) -> pb.HandshakeResponse:
         return pb.HandshakeResponse(
@@ -179,6 +185,7 @@ class HandshakeResponse:
             features=self.features.to_proto(),
             limits=self.limits.to_proto(),
             projection_sha256=self.projection_sha256,
+            incarnation=self.incarnation,
         )
 
     @classmethod
@@ -193,6 +200,7 @@ class HandshakeResponse:
             target_model_id=message.target_model_id,
             protocol_version=message.protocol_version,
             projection_sha256=message.projection_sha256,
+            incarnation=message.incarnation,
         )
 
 
@@ -259,3 +267,20 @@ def _feature_mismatches(request: HandshakeRequest, features: FeatureSpec) -> lis
     if features.dtype not in FEATURE_DTYPES:
         mismatches.append(f"features.dtype: {features.dtype!r} is not one of {sorted(FEATURE_DTYPES)}")
     return mismatches
+
+
+INCARNATION_METADATA = "outrider-incarnation"  # Draft stream metadata: the incarnation handshook with
+TARGET_METADATA = "outrider-target"  # Draft stream metadata: the target's label, for per-target counters
+STALE_INCARNATION = "stale incarnation"  # how the ABORTED details of a refused stream begin
+
+
+def stale_incarnation(metadata, incarnation: int) -> str | None:
+    """Why a Draft stream opened with `metadata` must be refused by server `incarnation`; None if
+    it may go on (the same incarnation, or a target that does not say)."""
+    sent = dict(metadata or ()).get(INCARNATION_METADATA)
+    if sent is None or sent == str(incarnation):
+        return None
+    return (
+        f"{STALE_INCARNATION}: the stream was opened for draft server incarnation {sent}, "
+        f"this is {incarnation} (restarted since the handshake); handshake again"
+    )

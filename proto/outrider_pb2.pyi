@@ -72,7 +72,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., target_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., method: _Optional[str] = ..., target_num_layers: _Optional[int] = ..., target_hidden_size: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "draft_model_id", "target_model_id", "vocab_size", "vocab_fingerprint", "method", "features", "limits", "projection_sha256")
+    __slots__ = ("protocol_version", "draft_model_id", "target_model_id", "vocab_size", "vocab_fingerprint", "method", "features", "limits", "projection_sha256", "incarnation")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class HandshakeResponse(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     PROJECTION_SHA256_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     draft_model_id: str
     target_model_id: str
@@ -91,7 +92,8 @@ class HandshakeResponse(_message.Message):
     features: FeatureSpec
     limits: Limits
     projection_sha256: str
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., draft_model_id: _Optional[str] = ..., target_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., method: _Optional[str] = ..., features: _Optional[_Union[FeatureSpec, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., projection_sha256: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., draft_model_id: _Optional[str] = ..., target_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., method: _Optional[str] = ..., features: _Optional[_Union[FeatureSpec, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., projection_sha256: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class FeatureProjectionRequest(_message.Message):
     __slots__ = ("max_chunk_bytes",)

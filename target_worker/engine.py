@@ -186,10 +186,22 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: Iterable[int], params: RequestParams | None = None) -> int:
-        """Queues a request; returns its id. CacheFullError if it could never fit."""
+    def add_request(
+        self,
+        prompt_token_ids: Iterable[int],
+        params: RequestParams | None = None,
+        output_token_ids: Iterable[int] = (),
+    ) -> int:
+        """Queues a request; returns its id. CacheFullError if it could never fit.
+
+        `output_token_ids`: tokens this request already produced elsewhere (a choice resumed
+        after its replica died): it continues after them as after its own output, so
+        penalties count them, the grammar has consumed them and max/min_tokens include them."""
         params = params or RequestParams()
         prompt = [int(t) for t in prompt_token_ids]
+        done = [int(t) for t in output_token_ids]
+        if not all(0 <= t < self.vocab_size for t in done) or len(done) >= params.max_tokens:
+            raise ValueError(f"output_token_ids must be fewer than max_tokens and in [0, {self.vocab_size})")
         if not prompt:
             raise ValueError("a prompt needs at least one token")
         if not all(0 <= t < self.vocab_size for t in prompt):
@@ -213,9 +225,13 @@ class Engine:
             verify_seed = derive_seed(self.seed_key, params.seed, "verify")
             generator = torch.Generator(self.runner.device).manual_seed(verify_seed)
             draft_sampling = replace(draft_sampling, seed=derive_seed(self.seed_key, params.seed, "draft"))
-        seq = Sequence(self._next_id, params, prompt, len(prompt), generator, draft_sampling)
+        seq = Sequence(self._next_id, params, prompt + done, len(prompt), generator, draft_sampling)
         seq.stop_ids = stop_ids_for(params, self.eos_token_ids)
         seq.grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        for token in done if seq.grammar is not None else ():
+            seq.grammar.accept_token(token)
+        if done and params.stop:
+            seq.text = self.detokenize(done)
         self._next_id += 1
         self.waiting.append(seq)
         return seq.seq_id

@@ -20,6 +20,12 @@ With a speculation cache (`draft_worker.speculation.Speculator`) the loop also a
 from pre-drafted trees and, when nothing is pending and the idle window has room, pre-drafts
 the next round of one sequence at a time.
 
+Fairness between targets (a pool shared by several target deployments): the drafting loop
+takes every stream's pending rounds into one batch, and a stream's reader waits once
+`max_pending` of its requests are queued, so one target's burst can make a batch larger but
+never push another target's round past the next batch. Trees sent are counted per target
+(`ServerStats.trees_by_target`, by the label each target's stream opens with).
+
 A target is trusted with nothing that could exhaust the server (`StreamLimits`): a stream
 holding too many sequences or context tokens, or sending nothing but invalid updates, is
 ended with a gRPC status that says which (`StreamError`) and its sequences are freed; the
@@ -34,7 +40,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
@@ -92,6 +98,8 @@ class ServerStats:
     spec_interrupted: int = 0  # guesses abandoned at a draft step because a real round came in
     spec_gated: int = 0  # rounds not speculated for while guesses rarely came true
     trees_pushed: int = 0  # pre-drafted trees sent ahead of their round (SpeculativeTree)
+    # A pool shared by several target deployments: trees per target label (`Stream.target`).
+    trees_by_target: dict[str, int] = field(default_factory=dict)
 
 
 # A queued item: an update with its validation error (None = fine); (None, None) = close the
@@ -135,11 +143,11 @@ class DraftBatcher:
             self._stats.trees_pushed = self.speculator.pushed
         return self._stats
 
-    def open_stream(self) -> Stream:
+    def open_stream(self, target: str = "") -> Stream:
         with self._cond:
             self._next_stream += 1
             self._stats.streams_opened += 1
-            stream = Stream(self._next_stream, self.stream_limits)
+            stream = Stream(self._next_stream, self.stream_limits, target)
             self._streams.add(stream)
             return stream
 
@@ -337,6 +345,8 @@ class DraftBatcher:
             replies.setdefault(stream, []).append(tree.to_proto())
         for stream, messages in replies.items():
             self._stats.trees_sent += len(messages)
+            by_target = self._stats.trees_by_target
+            by_target[stream.target] = by_target.get(stream.target, 0) + len(messages)
             for start in range(0, len(messages), self.limits.max_batch):
                 stream.outbox.put(pb.DraftResponse(trees=messages[start : start + self.limits.max_batch]))
 

@@ -8,6 +8,7 @@ servicer gives each stream a reader thread that hands its requests to the batche
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Iterator
 
@@ -16,12 +17,14 @@ import grpc
 from outrider.draft_worker.server.batcher import DraftBatcher
 from outrider.draft_worker.server.streams import Stream, StreamError
 from outrider.proto import (
+    TARGET_METADATA,
     HandshakeMismatchError,
     HandshakeRequest,
     HandshakeResponse,
     check_handshake,
     projection_chunks,
     projection_sha256,
+    stale_incarnation,
 )
 from outrider.proto import outrider_pb2 as pb
 from outrider.proto import outrider_pb2_grpc as pb_grpc
@@ -39,6 +42,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         if spec.projected and self._projection is None:
             raise ValueError(f"{batcher.proposer.method}: projected features but no feature_projection()")
         self._projection_sha256 = projection_sha256(self._projection) if self._projection is not None else ""
+        # The restart fence (proto.handshake): a restarted server draws a new one.
+        self.incarnation = secrets.randbits(63) | 1
 
     def add_to_server(self, server: grpc.Server) -> None:
         pb_grpc.add_DraftServiceServicer_to_server(self, server)
@@ -54,6 +59,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             features=proposer.feature_spec,
             target_model_id=identity.target_model_id,
             projection_sha256=self._projection_sha256,
+            incarnation=self.incarnation,
         )
 
     def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeResponse:
@@ -75,7 +81,11 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     def Draft(
         self, request_iterator: Iterator[pb.DraftRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.DraftResponse]:
-        stream = self.batcher.open_stream()
+        metadata = dict(context.invocation_metadata() or ())
+        stale = stale_incarnation(metadata.items(), self.incarnation)
+        if stale is not None:  # the target handshook with the process this one replaced
+            context.abort(grpc.StatusCode.ABORTED, stale)
+        stream = self.batcher.open_stream(target=metadata.get(TARGET_METADATA, ""))
         # Runs when the RPC ends for any reason (target gone, cancelled, deadline, shutdown).
         context.add_callback(lambda: (self.batcher.close_stream(stream), stream.outbox.put(None)))
         reader = threading.Thread(

@@ -44,8 +44,9 @@ class StreamError:
 class Stream:
     """One target connection: its outbox, its sequences' internal ids, what it holds."""
 
-    def __init__(self, number: int, limits: StreamLimits = DEFAULT_STREAM_LIMITS):
+    def __init__(self, number: int, limits: StreamLimits = DEFAULT_STREAM_LIMITS, target: str = ""):
         self.number, self.limits = number, limits
+        self.target = target or f"stream-{number}"  # the target's label (per-target counters)
         self.outbox: queue.SimpleQueue[pb.DraftResponse | StreamError | None] = queue.SimpleQueue()
         self.internal: dict[int, int] = {}  # the target's seq_id -> the proposer's
         self.desynced: set[int] = set()  # the target's seq_ids waiting for a `reset`

@@ -29,6 +29,7 @@ class DraftClientConfig:
     tls: ClientTls | None = None
     features: FeatureSpec = FeatureSpec()  # expected until a worker's handshake says otherwise
     trust_q: bool = False  # verify with the workers' q (the operator trusts their sampling; audited)
+    target_label: str = ""  # who this target is to a shared draft pool (its per-target counters)
 
 
 @dataclass
@@ -40,5 +41,7 @@ class DraftClientCounters:
     reconnects: int = 0  # streams re-established after one was lost
     resyncs: int = 0  # full contexts re-sent (worker restarted, sequence moved, dropped)
     handshake_refusals: int = 0
+    draft_restarts: int = 0  # a worker answered a handshake as a new incarnation (it restarted)
+    stale_streams: int = 0  # Draft streams a worker refused: opened for the incarnation it replaced
     trees_pushed_used: int = 0  # rounds a pre-drafted tree answered before they were asked (also received)
     trees_pushed_dropped: int = 0  # pre-drafted trees that failed their checks (malformed, over budget)

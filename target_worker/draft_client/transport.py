@@ -7,7 +7,10 @@ handshake, the Draft stream, and reconnection with backoff.
 
 Every stream opened bumps the endpoint's `generation`: the worker behind it may have
 restarted and lost its sequences, so a sequence synced under an older generation is re-sent
-whole (`resync`). What arrives on a stream is handed to the client (`on_message`); when the
+whole (`resync`). The restart fence: the stream is opened with the `incarnation` the
+handshake reported, and a worker that is another incarnation (it restarted between the
+handshake and the stream) refuses it with ABORTED; the thread handshakes again at once. A new
+incarnation at a known address is counted as a restart (`draft_restarts`). What arrives on a stream is handed to the client (`on_message`); when the
 stream ends, the client drops the rounds that worker still owed (`on_lost`).
 """
 
@@ -23,6 +26,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from outrider.proto import (
+    INCARNATION_METADATA,
+    STALE_INCARNATION,
+    TARGET_METADATA,
     HandshakeMismatchError,
     HandshakeRequest,
     HandshakeResponse,
@@ -44,6 +50,7 @@ class Endpoint:
     address: str
     healthy: bool = False
     generation: int = 0  # bumped on every stream opened: the worker's state may be gone
+    incarnation: int = 0  # the worker process's, from its last handshake (0: not told)
     limits: Limits | None = None
     last_error: Exception | None = None
     refused: bool = False  # the last handshake was a mismatch
@@ -194,10 +201,15 @@ class Connections:
         with self._cond:
             if self._closed.is_set() or endpoint.removed:
                 return False
-            endpoint.call = stub.Draft(drain(outbox), metadata=metadata)
+            fence = ((INCARNATION_METADATA, str(response.incarnation)),) if response.incarnation else ()
+            label = ((TARGET_METADATA, self.config.target_label),) if self.config.target_label else ()
+            endpoint.call = stub.Draft(drain(outbox), metadata=(*(metadata or ()), *fence, *label))
             if endpoint.generation > 0:
                 self.counters.reconnects += 1
+            if endpoint.incarnation and response.incarnation != endpoint.incarnation:
+                self.counters.draft_restarts += 1
             endpoint.generation += 1
+            endpoint.incarnation = response.incarnation
             endpoint.limits, endpoint.outbox = limits, outbox
             endpoint.healthy, endpoint.refused, endpoint.last_error = True, False, None
             self._cond.notify_all()
@@ -218,6 +230,8 @@ class Connections:
                 self._on_message(endpoint, message)
         except grpc.RpcError as error:
             endpoint.last_error = error
+            if error.code() == grpc.StatusCode.ABORTED and STALE_INCARNATION in (error.details() or ""):
+                self.counters.stale_streams += 1  # refused by the fence: handshake again
             if not self._closed.is_set():
                 log.warning(
                     "draft worker %s: stream lost (%s: %s)", endpoint.address, error.code(), error.details()

@@ -3,6 +3,8 @@ recompute, and prefix caching, each leaving greedy output unchanged."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -74,3 +76,27 @@ def test_a_shared_prefix_is_prefilled_once(roomy):
     assert outputs[True][1] == 72 + 4 * 8  # the four later requests prefill their 8-token suffixes
     assert outputs[True][2].hits == 4 * 64 and outputs[True][2].queries == 5 * 72
     assert outputs[False][2].queries == 0
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "ngram"])
+def test_a_request_resumed_with_its_output_continues_it(roomy, speculate):
+    """A choice resumed elsewhere (`add_request(..., output_token_ids=emitted)`, what the ingress
+    sends when a replica dies) continues exactly where it stopped, also when what it does
+    depends on the output so far: a frequency penalty counts the emitted tokens."""
+    vocab = roomy.model.vocab_size
+    prompt = _prompts(vocab, 1, 12)[0]
+    params = RequestParams(max_tokens=24, frequency_penalty=1.5, temperature=0.0)
+    whole, _ = _run(Engine(roomy, eos_token_id=None), [prompt], params)
+    source = None
+    if speculate:
+        config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+        source = InProcessDraftSource(build_proposer(config, vocab_size=vocab))
+    engine = Engine(roomy, source, eos_token_id=None)
+    request = engine.add_request(prompt, params, output_token_ids=whole[0][:10])
+    rest = [t for out in engine.stream() if out.request_id == request for t in out.new_token_ids]
+    assert rest == whole[0][10:]
+    # Taken as prompt instead, the penalty would not count them: another continuation.
+    as_prompt, _ = _run(
+        Engine(roomy, eos_token_id=None), [prompt + whole[0][:10]], replace(params, max_tokens=14)
+    )
+    assert as_prompt[0] != rest

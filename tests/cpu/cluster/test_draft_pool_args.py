@@ -1,0 +1,25 @@
+"""`draft_pool.shared_app`: an application drafting with another application's draft deployment."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from outrider.cluster.config import DraftPoolArgs, OutriderArgs
+from outrider.cluster.gpu_pools import PoolAssignment
+from outrider.cluster.placement import draft_options
+
+
+def test_shared_app_means_mode_shared_and_trusted_like_the_owner():
+    pool = DraftPoolArgs(shared_app="owner")
+    assert pool.mode == "shared" and pool.trusts_drafts
+    with pytest.raises(ValidationError, match="shared_app"):
+        DraftPoolArgs(mode="shared")
+    with pytest.raises(ValidationError, match="exclude each other"):
+        DraftPoolArgs(shared_app="owner", draft_endpoints=["host:1"])
+
+
+def test_the_draft_policy_aims_at_the_configured_busy_share():
+    args = OutriderArgs(draft_pool={"mode": "deployment", "autoscaling": {}, "target_busy_fraction": 0.3})
+    options = draft_options(args, PoolAssignment(draft=(), target=()))
+    assert options["autoscaling_config"]["policy"]["policy_kwargs"] == {"target_busy_fraction": 0.3}
