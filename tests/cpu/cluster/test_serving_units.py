@@ -221,9 +221,9 @@ class _FakeEngine:
     def __init__(self):
         self.live, self.length, self.next_id, self.aborted = {}, {}, 0, []
 
-    def add_request(self, prompt, params):
+    def add_request(self, prompt, params, output_token_ids=()):
         self.next_id += 1
-        self.live[self.next_id], self.length[self.next_id] = 0, prompt[0]
+        self.live[self.next_id], self.length[self.next_id] = len(output_token_ids), prompt[0]
         return self.next_id
 
     def abort_request(self, request_id):
