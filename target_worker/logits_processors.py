@@ -32,7 +32,9 @@ from outrider.target_worker.sequence import Sequence
 def apply_logits_processors(plan: RoundPlan, logits: torch.Tensor) -> torch.Tensor:
     """[total_nodes, vocab] logits of every tree node, each processed with its path's context.
 
-    Returns `logits[:total_nodes]` itself when no verified sequence has a processor."""
+    Returns `logits[:total_nodes]` itself when no verified sequence has a processor. Masks and
+    biases go sequence by sequence; the penalties of the whole batch are a handful of tensor ops
+    (`penalize`), so their cost does not grow with the batch in Python."""
     if plan.trees is None:
         return logits
     cu = plan.trees.cu_num_draft_tokens.tolist()
@@ -40,76 +42,103 @@ def apply_logits_processors(plan: RoundPlan, logits: torch.Tensor) -> torch.Tens
     if not todo:
         return logits[: cu[-1]]
     out = logits[: cu[-1]].float().clone()
-    tokens, parents = plan.trees.token_ids.cpu(), plan.trees.parents.cpu()
+    tokens, parents = plan.trees.token_ids.tolist(), plan.trees.parents.tolist()
+    trees = {b: (tokens[cu[b] : cu[b + 1]], parents[cu[b] : cu[b + 1]]) for b in todo}
     for b in todo:
-        start, end = cu[b], cu[b + 1]
-        tree_tokens, tree_parents = tokens[start:end], parents[start:end].tolist()
-        out[start:end] = process_tree_rows(plan.verified[b], out[start:end], tree_tokens, tree_parents)
+        if _masks_or_biases(plan.verified[b]):
+            out[cu[b] : cu[b + 1]] = mask_and_bias(plan.verified[b], out[cu[b] : cu[b + 1]], *trees[b])
+    penalized = [b for b in todo if _penalties(plan.verified[b].params)]
+    if penalized:
+        rows = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in penalized]).to(out.device)
+        out[rows] = penalize([plan.verified[b] for b in penalized], out[rows], [trees[b] for b in penalized])
     return out
 
 
 def process_tree_rows(
     seq: Sequence,
     rows: torch.Tensor,  # [n, vocab] float32; node i's logits (node 0 = the root)
-    tokens: torch.Tensor,  # [n] int64; node tokens (the root's is already committed)
+    tokens: torch.Tensor | list[int],  # [n]; node tokens (the root's is already committed)
     parents: list[int],  # [n]; -1 at the root, parents[i] < i
 ) -> torch.Tensor:  # [n, vocab]
-    params, vocab = seq.params, rows.shape[-1]
-    path = path_matrix(parents).to(rows.device)  # [n, n]: node j (j >= 1) is on node i's path
-    depth = path.sum(1)  # [n] draft tokens on each node's path
+    """What `apply_logits_processors` does to one sequence's rows."""
+    tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+    rows = mask_and_bias(seq, rows, tokens, parents)
+    return penalize([seq], rows, [(tokens, parents)]) if _penalties(seq.params) else rows
+
+
+def _masks_or_biases(seq: Sequence) -> bool:
+    return seq.grammar is not None or bool(seq.params.min_tokens) or bool(seq.params.logit_bias)
+
+
+def _penalties(params) -> bool:
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
+
+
+def mask_and_bias(seq: Sequence, rows: torch.Tensor, tokens: list[int], parents: list[int]) -> torch.Tensor:
+    """The grammar mask, min_tokens (stop ids masked while the node's output is short), logit_bias."""
+    params, vocab, device = seq.params, rows.shape[-1], rows.device
     if seq.grammar is not None:
-        rows = rows.masked_fill(
-            ~grammar_allowed(seq.grammar, tokens.tolist(), parents, vocab).to(rows.device), -torch.inf
-        )
+        rows = rows.masked_fill(~grammar_allowed(seq.grammar, tokens, parents, vocab).to(device), -torch.inf)
     if params.min_tokens and seq.stop_ids:
-        short = depth + len(seq.output_ids) < params.min_tokens  # [n]
-        stop = torch.tensor(sorted(seq.stop_ids), device=rows.device)
-        stop = stop[stop < vocab]
-        rows[short[:, None] & torch.isin(torch.arange(vocab, device=rows.device), stop)] = -torch.inf
+        depth = [0] * len(parents)  # draft tokens on each node's path
+        for i in range(1, len(parents)):
+            depth[i] = depth[parents[i]] + 1
+        short = torch.tensor([d + len(seq.output_ids) < params.min_tokens for d in depth], device=device)
+        stop = torch.tensor(sorted(t for t in seq.stop_ids if t < vocab), dtype=torch.int64, device=device)
+        rows[short[:, None] & torch.isin(torch.arange(vocab, device=device), stop)] = -torch.inf
     if params.logit_bias:
-        ids = torch.tensor([t for t, _ in params.logit_bias], device=rows.device)
-        bias = torch.tensor([b for _, b in params.logit_bias], device=rows.device)
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=device)
+        bias = torch.tensor([b for _, b in params.logit_bias], device=device)
         rows[:, ids] += bias
-    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-        output = torch.tensor(seq.output_ids, dtype=torch.int64)
-        counts = torch.bincount(output, minlength=vocab)[:vocab].float().to(rows.device)  # [vocab]
-        drafted = torch.nn.functional.one_hot(tokens.to(rows.device), vocab).float()  # [n, vocab]
-        counts = counts + path.float() @ drafted  # [n, vocab]: output + path counts per node
-        prompt_seen = None
-        if params.repetition_penalty != 1.0:
-            prompt = torch.tensor(seq.tokens[: seq.num_prompt], dtype=torch.int64)
-            prompt_seen = (torch.bincount(prompt, minlength=vocab)[:vocab] > 0).to(rows.device)
-        rows = apply_penalties(rows, counts, prompt_seen, params)
     return rows
 
 
-def apply_penalties(
-    rows: torch.Tensor,  # [n, vocab] float32
-    output_counts: torch.Tensor,  # [n, vocab] float32; each token's count in the row's output
-    prompt_seen: torch.Tensor | None,  # [vocab] bool; in the prompt (for repetition), None = unused
-    params,  # RequestParams
-) -> torch.Tensor:
-    if params.repetition_penalty != 1.0:
-        seen = output_counts > 0
-        if prompt_seen is not None:
-            seen = seen | prompt_seen
-        r = params.repetition_penalty
-        rows = torch.where(seen, torch.where(rows > 0, rows / r, rows * r), rows)
-    if params.frequency_penalty:
-        rows = rows - params.frequency_penalty * output_counts
-    if params.presence_penalty:
-        rows = rows - params.presence_penalty * (output_counts > 0).float()
-    return rows
+def penalize(
+    seqs: list[Sequence],
+    rows: torch.Tensor,  # [N, vocab] float32; the nodes of every tree in `trees`, in order
+    trees: list[tuple[list[int], list[int]]],  # per sequence: node tokens, parents
+) -> torch.Tensor:  # [N, vocab]
+    """Repetition, frequency and presence penalties, each node's counts = the committed output's
+    + the draft tokens on its path (and the prompt's tokens, for repetition)."""
+    device, vocab = rows.device, rows.shape[-1]
+    slot, per_row = [], []  # per row: its sequence, its (repetition, frequency, presence)
+    out_slot, out_ids, prompt_slot, prompt_ids, path_row, path_token = [], [], [], [], [], []
+    for s, (seq, (tokens, parents)) in enumerate(zip(seqs, trees, strict=True)):
+        p, first = seq.params, len(slot)
+        slot += [s] * len(tokens)
+        per_row += [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty)] * len(tokens)
+        out_slot += [s] * len(seq.output_ids)
+        out_ids += seq.output_ids
+        if p.repetition_penalty != 1.0:
+            prompt_slot += [s] * seq.num_prompt
+            prompt_ids += seq.tokens[: seq.num_prompt]
+        for i in range(1, len(tokens)):  # node i's draft tokens: itself and its ancestors but the root
+            j = i
+            while j > 0:
+                path_row.append(first + i)
+                path_token.append(tokens[j])
+                j = parents[j]
 
+    def index(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
 
-def path_matrix(parents: list[int]) -> torch.Tensor:
-    """[n, n] bool: entry (i, j) says draft node j (j >= 1) is node i itself or an ancestor."""
-    n = len(parents)
-    path = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(1, n):
-        path[i] = path[parents[i]]
-        path[i, i] = True
-    return path
+    counts = torch.zeros(len(seqs), vocab, device=device)  # [S, vocab] committed output counts
+    counts.index_put_(
+        (index(out_slot), index(out_ids)), torch.ones(len(out_ids), device=device), accumulate=True
+    )
+    counts = counts[index(slot)]  # [N, vocab]
+    counts.index_put_(
+        (index(path_row), index(path_token)), torch.ones(len(path_row), device=device), accumulate=True
+    )
+    in_output = counts > 0
+    seen = in_output
+    if prompt_ids:
+        in_prompt = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
+        in_prompt[index(prompt_slot), index(prompt_ids)] = True
+        seen = seen | in_prompt[index(slot)]
+    r, f, s = torch.tensor(per_row, dtype=torch.float32, device=device).unbind(1)  # [N] each
+    rows = torch.where(seen, torch.where(rows > 0, rows / r[:, None], rows * r[:, None]), rows)
+    return rows - f[:, None] * counts - s[:, None] * in_output.float()
 
 
 def grammar_allowed(matcher, tokens: list[int], parents: list[int], vocab: int) -> torch.Tensor:
