@@ -56,7 +56,6 @@ from outrider.proto import (
     FeatureSpec,
     SequenceUpdate,
     TreeBudget,
-    check_trees,
 )
 from outrider.target_worker.block_manager import BlockManager
 from outrider.target_worker.draft_source import DraftSource
@@ -67,7 +66,7 @@ from outrider.target_worker.kv_scheduler import KVScheduler
 from outrider.target_worker.lanes import LaneTuner, lane_to_verify
 from outrider.target_worker.logits_processors import apply_logits_processors
 from outrider.target_worker.round_outputs import append_outputs, record_prompt_logprobs, stop_ids_for
-from outrider.target_worker.round_plan import RoundPlan, plan_round, root_only_tree
+from outrider.target_worker.round_plan import RoundPlan, checked_trees, plan_round
 from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import RequestOutput, RequestParams, Sequence
 from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy
@@ -373,31 +372,11 @@ class Engine:
         self, ready: list[Sequence], received: dict[int, CandidateTree]
     ) -> list[CandidateTree]:
         """The tree each sequence verifies: the drafter's if it is sound, else root-only."""
-        pairs = [(s, received[s.seq_id]) for s in ready if s.seq_id in received]
-        num_asked = sum(s.asked for s in ready)
-        for seq in ready:
-            seq.asked = False  # answered (or not) this round
-        if (
-            self.drafts is not None and self.drafts.validates_trees
-        ):  # the gRPC client checked them on arrival, off this thread
-            errors = [None] * len(pairs)
-        else:
-            trees, budgets = [t for _, t in pairs], [s.budget for s, _ in pairs]
-            errors = check_trees(trees, budgets, self.vocab_size) if pairs else []
-        good = {}
-        for (seq, tree), error in zip(pairs, errors, strict=True):
-            if error is None and tree.round != seq.tree_round:
-                error = f"tree for round {tree.round}, expected round {seq.tree_round}"
-            elif error is None and int(tree.tokens[0]) != seq.tokens[-1]:
-                error = f"root token {int(tree.tokens[0])} is not the last committed token {seq.tokens[-1]}"
-            if error is None:
-                good[seq.seq_id] = tree
-            else:
-                self.stats.num_invalid_trees += 1
-                log.debug("dropped the tree of sequence %d: %s", seq.seq_id, error)
-        self.stats.num_trees += len(good)
-        self.stats.num_missing_trees += num_asked - len(pairs)
-        trees = [good[s.seq_id] if s.seq_id in good else root_only_tree(s, self.round) for s in ready]
+        validated = self.drafts is not None and self.drafts.validates_trees  # checked on arrival
+        trees, good, invalid, missing = checked_trees(ready, received, validated, self.vocab_size, self.round)
+        self.stats.num_trees += good
+        self.stats.num_invalid_trees += invalid
+        self.stats.num_missing_trees += missing
         return self.trust.prepare(trees) if self.trust is not None else trees
 
     def _submit_deltas(self, verified: list[Sequence], finished: list[Sequence]) -> None:

@@ -16,14 +16,17 @@ prompt is chunked over several rounds instead of stalling every running sequence
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from outrider.kernels import PackedTrees, pack_trees
-from outrider.proto import CandidateTree, DraftSampling
+from outrider.proto import CandidateTree, DraftSampling, check_trees
 from outrider.target_worker.batch import ForwardBatch, HiddenCapture, SequenceChunk, build_forward_batch
 from outrider.target_worker.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,34 @@ def root_only_tree(seq: Sequence, round: int) -> CandidateTree:
         q_probs=_NO_Q_PROBS,
         sampling=DraftSampling.DETERMINISTIC,
     )
+
+
+def checked_trees(
+    ready: list[Sequence], received: dict[int, CandidateTree], validated: bool, vocab_size: int, round: int
+) -> tuple[list[CandidateTree], int, int, int]:
+    """The tree each of `ready` verifies this round: the drafter's if it is sound (for the round
+    and root the sequence is at, within its budget, unless `validated` on arrival), else
+    root-only. Returns the trees and how many were used, dropped as invalid, and missing."""
+    pairs = [(s, received[s.seq_id]) for s in ready if s.seq_id in received]
+    num_asked = sum(s.asked for s in ready)
+    for seq in ready:
+        seq.asked = False  # answered (or not) this round
+    if validated or not pairs:
+        errors = [None] * len(pairs)
+    else:
+        errors = check_trees([t for _, t in pairs], [s.budget for s, _ in pairs], vocab_size)
+    good = {}
+    for (seq, tree), error in zip(pairs, errors, strict=True):
+        if error is None and tree.round != seq.tree_round:
+            error = f"tree for round {tree.round}, expected round {seq.tree_round}"
+        elif error is None and int(tree.tokens[0]) != seq.tokens[-1]:
+            error = f"root token {int(tree.tokens[0])} is not the last committed token {seq.tokens[-1]}"
+        if error is None:
+            good[seq.seq_id] = tree
+        else:
+            log.debug("dropped the tree of sequence %d: %s", seq.seq_id, error)
+    trees = [good[s.seq_id] if s.seq_id in good else root_only_tree(s, round) for s in ready]
+    return trees, len(good), len(pairs) - len(good), num_asked - len(pairs)
 
 
 def tree_depth(tree: CandidateTree) -> int:
