@@ -19,7 +19,9 @@ process (the baseline's source is exported from git into a temporary `outrider` 
 - **throughput**: plain decoding at batch 16 and 64 and draft_model speculation (fixed K = 4)
   at batch 16, 32-token prompts, 64 tokens out, a cache with room for every sequence.
 
-Ratios are within this run; on this 2-core machine absolute tokens/s drift 15-25% over minutes.
+Each engine runs the workloads `--repeats` times (3) in alternating order; every figure is
+the median over its runs. Ratios are within this run; on this 2-core machine absolute tokens/s
+drift 15-25% over minutes.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prefix-tokens", type=int, default=192, help="shared prefix of the prefix workload")
     parser.add_argument("--baseline-commit", default=BASELINE_COMMIT, help="'none': paged only")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per engine, alternating; medians")
     parser.add_argument("--worker", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -62,8 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     engines = {"paged": None}
     if args.baseline_commit != "none":
         engines = {"extents": args.baseline_commit, **engines}
-    results = {kind: run_in_process(spec, kind, commit) for kind, commit in engines.items()}
-    rows = report_rows(results)
+    runs: dict[str, list[dict]] = {kind: [] for kind in engines}
+    for repeat in range(args.repeats):  # alternating order: drift on a shared machine hits both
+        order = list(engines.items()) if repeat % 2 == 0 else list(engines.items())[::-1]
+        for kind, commit in order:
+            runs[kind].append(run_in_process(spec, kind, commit))
+    rows = report_rows({kind: medians(measured) for kind, measured in runs.items()})
     notes = (__doc__.split("\n\n", 2)[2] if __doc__ else "") + (
         f"\nFamily `{args.size}` (max_model_len {spec['max_model_len']}); baseline commit "
         f"`{args.baseline_commit}`. Speedups: paged / extents in this run."
@@ -152,6 +159,19 @@ def export_commit(commit: str, into: Path) -> Path:
     for package in PACKAGES:
         (namespace / package).symlink_to(source / package)
     return into / "path"
+
+
+def medians(runs: list[dict]) -> dict:
+    """Per workload and case, the median of each figure over the runs."""
+    import statistics
+
+    return {
+        workload: {
+            case: {key: statistics.median(run[workload][case][key] for run in runs) for key in figures}
+            for case, figures in cases.items()
+        }
+        for workload, cases in runs[0].items()
+    }
 
 
 def report_rows(results: dict) -> list[dict]:

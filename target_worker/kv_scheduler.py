@@ -1,8 +1,9 @@
 """Who runs, and with which KV blocks: admission, each round's slot reservation, preemption.
 
     admit:    first come, first served while a batch slot is free and the prompt's blocks fit
-              (prefix-cached blocks reused, `BlockManager.allocate`), keeping a watermark
-              of free blocks so running sequences can grow
+              (prefix-cached blocks reused, `BlockManager.allocate`) with a block to spare
+              for each running sequence's next one (and a small watermark); none in the
+              step after a preemption, so a victim does not push straight back in
     reserve:  before the forward, every verified sequence grows its table to cover its root
               and its tree; short of blocks, its tree becomes root-only, and short even of
               that, the youngest running sequence is preempted
@@ -38,13 +39,19 @@ class KVScheduler:
         self.blocks, self.max_slots, self.max_batch, self.on_admit = blocks, max_slots, max_batch, on_admit
         self.watermark = max(1, blocks.num_blocks // 100)  # free blocks kept for growth at admission
         self.num_preemptions = 0
+        self._just_preempted = False
 
     def admit(self, waiting: deque[Sequence], running: list[Sequence], round: int) -> None:
+        if self._just_preempted and running:
+            self._just_preempted = False
+            return  # blocks ran short last step: let the running sequences grow first
         while waiting and len(running) < self.max_batch:
             seq = waiting[0]
             need = self.blocks.blocks_for(len(seq.tokens))
-            if self.blocks.num_free_blocks - need < self.watermark and running:
-                return  # wait for running sequences to finish (or be preempted) and free blocks
+            # Without headroom for every running sequence's next block, admitting one more
+            # would only preempt someone a few rounds later (and recompute it).
+            if self.blocks.num_free_blocks - need < self.watermark + len(running) and running:
+                return  # wait for running sequences to finish and free blocks
             # Prompt logprobs need every prompt token's logits: no prefix-cache lookup for them.
             lookup = seq.params.prompt_logprobs is None or seq.decoding
             cached = self.blocks.allocate(seq.seq_id, seq.tokens, len(seq.tokens), lookup=lookup)
@@ -91,6 +98,7 @@ class KVScheduler:
             seq.prompt_logprobs = None
         waiting.appendleft(seq)
         self.num_preemptions += 1
+        self._just_preempted = True
 
     def settle(self, verified: list[Sequence], filled: list[Sequence]) -> None:
         for seq in verified:

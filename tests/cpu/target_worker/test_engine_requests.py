@@ -120,8 +120,8 @@ def test_admission_refuses_what_can_never_fit(tiny_family, runner, prompts):
 @pytest.mark.parametrize("speculate", [False, True])
 def test_requests_wait_for_kv_rows(tiny_family, prompts, reference, speculate):
     """A cache of 9 blocks (144 slots) serves five prompts (65 tokens) with 30 new tokens each
-    (215 slots): all five start (blocks are taken as tokens come, not reserved for max_tokens),
-    the youngest are preempted and recomputed as the others grow, and the outputs are unchanged."""
+    (215 slots): sequences are admitted while their blocks fit with headroom to grow, the others
+    wait for blocks to free up, and the outputs are unchanged."""
     small = ModelRunner.from_pretrained(tiny_family.target_dir, max_model_len=128, kv_cache_rows=150)
     engine = make_engine(small, speculate)
     params = RequestParams(max_tokens=30)
@@ -132,9 +132,8 @@ def test_requests_wait_for_kv_rows(tiny_family, prompts, reference, speculate):
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
         most_running = max(most_running, len(engine.running))
-    assert most_running == len(prompts)
+    assert 1 < most_running < len(prompts)
     assert [tokens[i] for i in ids] == [r[:30] for r in reference]
-    assert engine.stats.num_preemptions > 0
     assert not engine.blocks.tables and engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
