@@ -25,18 +25,12 @@ import time
 import pytest
 from serve_testlib import MODEL, NO_CPUS, free_port, get, metric
 
+from outrider.benchmarks.bench_autoscale import PROMPTS  # the load generator's prompts
+
 pytestmark = pytest.mark.slow  # a five-node local Ray cluster: about two minutes on 2 cores
 
 openai = pytest.importorskip("openai")
 
-PROMPTS = [
-    "class Config:\n    def __init__(self",
-    "        self.assertEqual(",
-    "def main():\n    parser = argparse",
-    "    return self.",
-    "from typing import",
-    "    raise ValueError(",
-]
 MAX_TOKENS = 90
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 
