@@ -63,11 +63,6 @@ class BlockManager:
         """Blocks a sequence can take: free ones and unreferenced cached ones."""
         return len(self._free) + len(self._evictable)
 
-    @property
-    def usage(self) -> float:
-        """Share of blocks held by sequences (vLLM's kv_cache_usage_perc, as a fraction)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
     # ---- sequences -----------------------------------------------------------------------
 
     def allocate(self, seq_id: int, tokens: list[int], num_slots: int, lookup: bool = True) -> int | None:
@@ -127,10 +122,6 @@ class BlockManager:
                 self._cached[parent], self._hash_of[block] = block, parent
         if full > done:
             self._hashed[seq_id] = (full, parent)
-
-    def slot_count(self, seq_id: int) -> int:
-        """Slots the sequence's table covers."""
-        return len(self.tables[seq_id]) * self.block_size
 
     # ---- blocks --------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ def test_blocks_are_taken_as_slots_grow_and_given_back():
     assert len(blocks.tables[1]) == 3 and blocks.num_free_blocks == 3
     assert blocks.allocate(2, PROMPT, 16) is None and 2 not in blocks.tables  # 4 blocks > 3 free
     blocks.free(1)
-    assert blocks.num_free_blocks == 6 and blocks.usage == 0.0
+    assert blocks.num_free_blocks == 6 and not blocks.tables
 
 
 def test_a_shared_prefix_is_reused_and_never_the_last_token():
