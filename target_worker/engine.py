@@ -350,7 +350,7 @@ class Engine:
         return min(self.runner.max_model_len, self.blocks.num_blocks * self.blocks.block_size)
 
     def _admit(self) -> None:
-        self.kv.admit(self.waiting, self.running, self.round)
+        self.kv.admit(self.waiting, self.running)
         self.stats.num_preemptions = self.kv.num_preemptions
 
     def _on_admit(self, seq: Sequence) -> None:

@@ -41,7 +41,7 @@ class KVScheduler:
         self.num_preemptions = 0
         self._just_preempted = False
 
-    def admit(self, waiting: deque[Sequence], running: list[Sequence], round: int) -> None:
+    def admit(self, waiting: deque[Sequence], running: list[Sequence]) -> None:
         if self._just_preempted and running:
             self._just_preempted = False
             return  # blocks ran short last step: let the running sequences grow first
