@@ -298,7 +298,8 @@ class Engine:
             if self.trust is not None:
                 self.trust.audit(plan.trees, p, greedy)  # trusted sampled trees: is q honest?
             # 4. Commit: the accepted paths' K/V move next to their roots; tokens are appended.
-            self.cache.compact(res.accepted_node_ids, plan.slot_map)
+            if plan.slot_map is not None:  # some tree had drafts to accept
+                self.cache.compact(res.accepted_node_ids, plan.slot_map)
             self.stats.spec.observe(plan.trees.cu_num_draft_tokens, res)
             outputs = append_outputs(plan, res, logits, features, self.detokenize)
             self.stats.num_output_tokens += sum(len(o.new_token_ids) for o in outputs)

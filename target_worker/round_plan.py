@@ -34,7 +34,9 @@ class RoundPlan:
     forward: ForwardBatch
     verified: list[Sequence]  # [B] sequences verified this round, in tree order
     trees: PackedTrees | None  # [B] their trees (None if B = 0); logits rows 0 .. total_nodes - 1, node order
-    slot_map: torch.Tensor  # [B, max tree size] int64; cache row of each tree node's slot (`compact_kv`)
+    # [B, max tree size] int64: cache row of each tree node's slot (`compact_kv`); None when every
+    # tree is root-only (nothing to compact: plain decoding builds none)
+    slot_map: torch.Tensor | None
     filled: list[Sequence]  # sequences whose prompt chunk stops short of the root (chunks after the B)
     num_prefill_tokens: int  # prompt tokens in this forward (final and partial chunks)
     # Sequences asking for prompt logprobs, with how many of their prompt tokens this forward
@@ -164,11 +166,11 @@ def plan_round(
     )
 
 
-def _tree_slot_map(forward: ForwardBatch, tree_sizes: list[int]) -> torch.Tensor:
+def _tree_slot_map(forward: ForwardBatch, tree_sizes: list[int]) -> torch.Tensor | None:
     """[B, max tree size]: the cache row of node i of verified sequence b's tree (a tree is
-    its chunk's last rows; past its size, its last node's row)."""
-    if not tree_sizes:
-        return torch.empty(0, 0, dtype=torch.int64, device=forward.cache_rows.device)
+    its chunk's last rows; past its size, its last node's row). None if no tree has a draft."""
+    if max(tree_sizes, default=1) == 1:
+        return None
     sizes = torch.tensor(tree_sizes)
     ends = torch.tensor(forward.cu_seqlens[1 : len(tree_sizes) + 1])
     node = torch.minimum(torch.arange(int(sizes.max()))[None, :], sizes[:, None] - 1)
