@@ -73,7 +73,7 @@ class DemoRecipe:
 
 
 # Bump when the build code changes what a recipe produces (corpus rules, training loop).
-RECIPE_FORMAT = 1
+RECIPE_FORMAT = 2  # 2: fp32 training where bf16 autocast is emulated
 
 RECIPES: dict[str, DemoRecipe] = {
     "tiny": DemoRecipe(
