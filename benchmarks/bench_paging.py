@@ -16,7 +16,7 @@ process (the baseline's source is exported from git into a temporary `outrider` 
 - **prefix**: 16 requests sharing a 192-token prefix (16 tokens of their own, 16 out), sent
   together after one earlier request with the same prefix (a warm system prompt). Reported:
   prompt tokens prefilled and mean TTFT, with prefix caching off and on.
-- **throughput**: plain decoding at batch 16 and 64 and draft_model speculation (fixed K = 4)
+- **throughput**: plain decoding at batch 1, 16 and 64 and draft_model speculation (fixed K = 4)
   at batch 16, 32-token prompts, 64 tokens out, a cache with room for every sequence.
 
 Each engine runs the workloads `--repeats` times (3) in alternating order; every figure is
@@ -281,6 +281,7 @@ def throughput_workload(spec: dict) -> dict:
     params = RequestParams(max_tokens=64)
     cases = {}
     for name, batch, speculate in (
+        ("plain b1", 1, False),
         ("plain b16", 16, False),
         ("plain b64", 64, False),
         ("draft_model K=4 b16", 16, True),

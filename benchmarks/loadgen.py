@@ -19,7 +19,7 @@ import json
 import random
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from urllib.parse import urlparse
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -50,6 +50,7 @@ class RequestRecord:
     ttft_s: float | None = None
     wrong: bool = False  # greedy and the text differs from the reference
     error: str = ""
+    itl_s: list[float] = field(default_factory=list)  # streamed: gaps between chunks carrying text
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,6 +132,7 @@ class LoadGenerator:
 
     def _read_stream(self, response, record: RequestRecord, start: float, disconnect: bool) -> str | None:
         parts: list[str] = []
+        last = start  # when the last chunk carrying text arrived
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data: "):
@@ -146,8 +148,12 @@ class LoadGenerator:
                 record.tokens = event["usage"]["completion_tokens"]
             for choice in event.get("choices", []):
                 if choice.get("text"):
+                    now = time.monotonic()
                     if record.ttft_s is None:
-                        record.ttft_s = time.monotonic() - start
+                        record.ttft_s = now - start
+                    else:
+                        record.itl_s.append(now - last)
+                    last = now
                     parts.append(choice["text"])
                     if disconnect:  # hang up mid-stream: the server must free the sequence
                         return "".join(parts)

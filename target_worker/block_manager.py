@@ -26,8 +26,9 @@ prefix's K/V) is out of reach, unlike a 64-bit `hash()`.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 
@@ -44,7 +45,9 @@ class BlockManager:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a paged cache needs blocks: got {num_blocks} blocks of {block_size} slots")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
-        self._free: deque[int] = deque(range(num_blocks))  # never hashed, or evicted
+        # Never hashed, or evicted; a heap, taken lowest id first, so a sequence growing alone
+        # gets consecutive blocks, which attention reads as one view instead of gathering them.
+        self._free: list[int] = list(range(num_blocks))
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}  # block -> its chain hash (full, committed blocks)
         self._cached: dict[bytes, int] = {}  # chain hash -> block
@@ -145,7 +148,7 @@ class BlockManager:
 
     def _take(self) -> int:
         if self._free:
-            block = self._free.popleft()
+            block = heapq.heappop(self._free)
         else:  # evict the least recently released cached block
             block, _ = self._evictable.popitem(last=False)
             del self._cached[self._hash_of.pop(block)]
@@ -159,7 +162,7 @@ class BlockManager:
         if block in self._hash_of:
             self._evictable[block] = None
         else:
-            self._free.append(block)
+            heapq.heappush(self._free, block)
 
 
 def _chain_hash(parent: bytes, tokens: list[int]) -> bytes:

@@ -50,9 +50,12 @@ class AttentionGroup:
     out_take: torch.Tensor | None  # [T_g] their positions in the group's flattened [G * n_max]
     block_size: int = 0
     kv_len: int = 0  # kv_max: slots gathered per sequence (whole blocks are read, then cut to it)
+    kv_start: int = -1  # one sequence whose slots are consecutive rows from here: read as a view
 
     def gather(self, cache: torch.Tensor) -> torch.Tensor:
         """[rows, *shape] cache -> [G, kv_max, *shape]: each sequence's slots, in order."""
+        if self.kv_start >= 0:
+            return cache[self.kv_start : self.kv_start + self.kv_len].unsqueeze(0)
         if self.kv_blocks is None:
             return cache[self.kv_index]
         g, num_blocks = self.kv_blocks.shape
@@ -157,13 +160,17 @@ def _plan_group(batch: ForwardBatch, members: list[int], sizes: list[int]) -> At
         real = [(g, i) for g, nb in enumerate(n) for i in range(nb)]
         out_rows = torch.tensor([q_index[g][i] for g, i in real], device=device)
         out_take = torch.tensor([g * n_max + i for g, i in real], device=device)
-    size, kv_index, kv_blocks = batch.block_size, None, None
+    size, kv_index, kv_blocks, kv_start = batch.block_size, None, None, -1
     if batch.block_tables is not None:
         num_blocks = -(-kv_max // size)
         tables = batch.block_tables
         if len(members) != tables.shape[0]:
             tables = tables[torch.tensor(members, device=device)]
         kv_blocks = tables[:, :num_blocks]
+        if len(members) == 1 and device.type == "cpu":  # (reading the table on a GPU would sync)
+            first, *rest = kv_blocks[0].tolist()
+            if rest == list(range(first + 1, first + num_blocks)):
+                kv_start = first * size
     else:
         kv_index = batch.kv_index[torch.tensor(members, device=device), :kv_max]
     return AttentionGroup(
@@ -172,6 +179,7 @@ def _plan_group(batch: ForwardBatch, members: list[int], sizes: list[int]) -> At
         kv_blocks=kv_blocks,
         block_size=size,
         kv_len=kv_max,
+        kv_start=kv_start,
         mask=mask,
         causal=fresh and n_max > 1,
         out_rows=out_rows,

@@ -117,3 +117,20 @@ def test_a_model_forward_through_the_kernel_equals_the_grouped_path(triton_backe
     assert plan_attention(batch).paged is not None
     kernel = runner.forward(batch).logits
     assert torch.allclose(kernel, grouped, atol=1e-4)
+
+
+def test_one_sequence_in_consecutive_blocks_is_read_as_a_view_with_the_same_result():
+    from outrider.target_worker.batch import SequenceChunk, build_forward_batch
+    from outrider.target_worker.layers.attention import plan_attention, ragged_attention
+
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(96, 2, 8, generator=gen), torch.randn(96, 2, 8, generator=gen)
+    k_cache[80:], v_cache[80:] = k_cache[48:64], v_cache[48:64]  # block 5 holds what block 3 does
+    outputs = []
+    for table in ([2, 3, 4], [2, 5, 4]):  # consecutive: a view; scattered: the block gather
+        chunk = SequenceChunk(-1, 37, torch.tensor([5, 6]), blocks=table, block_size=16)
+        plan = plan_attention(build_forward_batch([chunk]))
+        assert (plan.groups[0].kv_start >= 0) == (table == [2, 3, 4])
+        q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(4))
+        outputs.append(ragged_attention(q, k_cache, v_cache, plan))
+    torch.testing.assert_close(outputs[0], outputs[1])

@@ -71,3 +71,14 @@ def test_a_shared_block_outlives_one_owner():
     assert blocks.num_free_blocks == 1  # block 1's private third block; the shared two are held
     blocks.grow(2, 16)
     assert blocks.tables[2][:2] == shared
+
+
+def test_a_sequence_growing_alone_gets_consecutive_blocks():
+    # Tree scratch handed back is taken again first, so the table stays one run of blocks
+    # (attention then reads the sequence as a view of the cache, without a gather).
+    blocks = BlockManager(num_blocks=8, block_size=4, prefix_caching=False)
+    blocks.allocate(1, PROMPT, len(PROMPT))
+    for slots in (14, 17, 18, 21):
+        assert blocks.grow(1, slots + 4)  # root and a tree
+        blocks.shrink(1, slots)  # the accepted path stays
+    assert blocks.tables[1] == list(range(len(blocks.tables[1])))

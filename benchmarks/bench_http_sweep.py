@@ -1,0 +1,253 @@
+"""Speculation over HTTP against speculation off: the adaptive policy beside fixed K.
+
+    python -m outrider.benchmarks.bench_http_sweep --size small     # benchmarks/results/http_sweep_small.md
+    python -m outrider.benchmarks.bench_http_sweep --size tiny --concurrency 1,4 --ks 2 --methods ngram
+
+One local Ray and two Serve applications up at a time (`cluster.app:build_app`, the server
+users run): `off` (speculation off; up for the whole run) and the configuration under test,
+one after another: each method in `--methods`, each placement (`colocated`: the drafter in
+the target replica's process; `disaggregated`: a draft deployment reached over gRPC), each
+budget (`adaptive`, the speculation policy with ceiling max(ks); `K<k>`, every sequence
+drafts k tokens every round, vLLM's behaviour). At every temperature and concurrency c the
+two applications run back to back, in alternating order, each answering max(requests, c)
+streamed `/v1/completions` from c client threads (held-out `mid` prompts as token ids;
+seeded at T = 1); a configuration's speedup is its output token throughput over off's
+measured beside it.
+
+Figures carry vLLM's names (its benchmark_serving): output token throughput (completion
+tokens / the level's wall time), TTFT, TPOT ((latency - TTFT) / (tokens - 1)), ITL (gaps
+between streamed chunks carrying text), median and p99, and the acceptance length and
+per-position acceptance from the application's /metrics counters over the level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from outrider.benchmarks.bench_serving import _free_port, app_args
+from outrider.benchmarks.loadgen import LoadGenerator, percentile
+from outrider.benchmarks.report import add_run_arguments, write_run_report
+
+PLACEMENTS = ("colocated", "disaggregated")
+OFF = "off"
+
+
+def configurations(methods: list[str], placements: list[str], ks: list[int]) -> list[tuple[str, str, str]]:
+    """(method, placement, budget) for every configuration under test."""
+    budgets = ["adaptive", *(f"K{k}" for k in ks)]
+    return [(m, p, b) for m in methods for p in placements for b in budgets]
+
+
+def speculative_config(method: str, budget: str, ks: list[int]) -> dict:
+    depth = max(ks) if budget == "adaptive" else int(budget[1:])
+    return {
+        "method": method,
+        "num_speculative_tokens": depth,
+        "budget_policy": "adaptive" if budget == "adaptive" else "fixed",
+    }
+
+
+def spec_counters(base: str) -> dict[str, float]:
+    """Drafts, accepted tokens and accepted tokens per position, summed over the app's /metrics."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=60) as response:
+        page = response.read().decode()
+    totals: dict[str, float] = {"drafts": 0.0, "accepted": 0.0}
+    for line in page.splitlines():
+        if line.startswith("#"):
+            continue
+        name, value = line.split("{", 1)[0].split(" ", 1)[0], float(line.rsplit(" ", 1)[1])
+        if name == "outrider:spec_decode_num_drafts_total":
+            totals["drafts"] += value
+        elif name == "outrider:spec_decode_num_accepted_tokens_total":
+            totals["accepted"] += value
+        elif name == "outrider:spec_decode_num_accepted_tokens_per_pos_total":
+            position = line.split('position="', 1)[1].split('"', 1)[0]
+            totals[f"pos{position}"] = totals.get(f"pos{position}", 0.0) + value
+    return totals
+
+
+def run_level(
+    base: str,
+    model: str,
+    prompts: list[tuple[int, ...]],
+    concurrency: int,
+    requests: int,
+    temperature: float,
+    max_tokens: int,
+) -> dict:
+    """`requests` streamed completions from `concurrency` threads: one row's figures."""
+    load = LoadGenerator(base, model, [], max_tokens, seed=requests * 1000 + concurrency)
+    before = spec_counters(base)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        records = list(
+            pool.map(
+                lambda i: load.request(prompts[i % len(prompts)], stream=True, greedy=temperature == 0),
+                range(requests),
+            )
+        )
+    wall = time.perf_counter() - started
+    after = spec_counters(base)
+    failed = [r.error for r in records if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {requests} requests failed at {base}: {failed[0]}")
+    tokens = sum(r.tokens for r in records)
+    ttft = [1000 * r.ttft_s for r in records if r.ttft_s is not None]
+    tpot = [1000 * (r.latency_s - r.ttft_s) / (r.tokens - 1) for r in records if r.tokens > 1 and r.ttft_s]
+    itl = [1000 * gap for r in records for gap in r.itl_s]
+    drafts = after["drafts"] - before["drafts"]
+    positions = sorted((int(k[3:]), after[k] - before.get(k, 0.0)) for k in after if k.startswith("pos"))
+    return {
+        "output_tok_s": tokens / wall,
+        "ttft_ms_median": statistics.median(ttft),
+        "ttft_ms_p99": percentile(ttft, 0.99),
+        "tpot_ms_median": statistics.median(tpot) if tpot else None,
+        "tpot_ms_p99": percentile(tpot, 0.99),
+        "itl_ms_median": statistics.median(itl) if itl else None,
+        "itl_ms_p99": percentile(itl, 0.99),
+        "acceptance_length": 1 + (after["accepted"] - before["accepted"]) / drafts if drafts else None,
+        "per_position_acceptance": [round(n / drafts, 3) for _, n in positions if n] if drafts else None,
+    }
+
+
+def sweep(args: argparse.Namespace, log=print) -> list[dict]:
+    import ray
+    from ray import serve
+
+    from outrider.benchmarks.prompts import mid_prompt_ids
+    from outrider.cluster.app import build_app
+    from outrider.demo.family import ensure_demo_family
+
+    family = ensure_demo_family(args.size, progress=False, log=log)
+    prompts = [tuple(p) for p in mid_prompt_ids(family.tokenizer_dir, args.prompts, args.prompt_tokens)]
+    context = args.prompt_tokens + args.max_tokens + 16
+    model, name = {"demo": args.size}, f"outrider-demo-{args.size}"
+    levels = [(t, c) for t in args.temperatures for c in args.concurrency]
+    seqs = max(args.concurrency)
+
+    def deploy(label: str, spec: dict | None, placement: str) -> str:
+        variant = OFF if spec is None else placement
+        app = app_args(variant, model, spec or {}, context)
+        app["engine"]["max_num_seqs"] = seqs
+        app["engine"]["max_queued_requests"] = seqs
+        serve.run(build_app(app), name=label, route_prefix=f"/{label}")
+        base = f"http://127.0.0.1:{port}/{label}"
+        run_level(base, name, prompts, 2, 2, 0.0, 8)  # warm-up: lazy initialisation, first compiles
+        return base
+
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+    )
+    port = _free_port()
+    rows: list[dict] = []
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        off = deploy(OFF, None, "")
+        for index, (method, placement, budget) in enumerate(
+            configurations(args.methods, args.placements, args.ks)
+        ):
+            label = f"{method}-{placement}-{budget}"
+            started = time.perf_counter()
+            base = deploy(label, speculative_config(method, budget, args.ks), placement)
+            log(f"[{index + 1}] {label} up in {time.perf_counter() - started:.0f} s")
+            for j, (temperature, concurrency) in enumerate(levels):
+                n = max(args.requests, concurrency)
+                pair = [(OFF, off), (budget, base)]
+                if (index + j) % 2:
+                    pair.reverse()
+                measured = {
+                    who: run_level(url, name, prompts, concurrency, n, temperature, args.max_tokens)
+                    for who, url in pair
+                }
+                ratio = measured[budget]["output_tok_s"] / measured[OFF]["output_tok_s"]
+                common = {"temperature": temperature, "concurrency": concurrency, "requests": n}
+                rows.append({"method": OFF, "placement": "—", "budget": "—", **common, **measured[OFF]})
+                rows.append(
+                    {
+                        "method": method,
+                        "placement": placement,
+                        "budget": budget,
+                        **common,
+                        **measured[budget],
+                        "speedup_vs_off": ratio,
+                    }
+                )
+                log(
+                    f"    T={temperature:g} c={concurrency}: {ratio:.2f}x off ({measured[budget]['output_tok_s']:.0f} tok/s)"
+                )
+            serve.delete(label)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per (method, placement, temperature, concurrency): adaptive, the best fixed K, and off."""
+    cells: dict[tuple, dict] = {}
+    for row in rows:
+        if row["method"] == OFF:
+            continue
+        key = (row["method"], row["placement"], row["temperature"], row["concurrency"])
+        cells.setdefault(key, {})[row["budget"]] = row["speedup_vs_off"]
+    out = []
+    for (method, placement, temperature, concurrency), by_budget in cells.items():
+        fixed = {b: s for b, s in by_budget.items() if b != "adaptive"}
+        best = max(fixed, key=fixed.get) if fixed else None
+        adaptive = by_budget.get("adaptive")
+        out.append(
+            {
+                "method": method,
+                "placement": placement,
+                "temperature": temperature,
+                "concurrency": concurrency,
+                "adaptive_vs_off": adaptive,
+                "best_fixed": best,
+                "best_fixed_vs_off": fixed.get(best),
+                "adaptive_vs_best_fixed": adaptive / fixed[best] if adaptive and best else None,
+            }
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_run_arguments(parser, max_tokens=64, prompt_tokens=64)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    parser.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64], help="default: 1,4,16,64")
+    parser.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
+    parser.add_argument("--methods", type=lambda s: s.split(","), default=["ngram", "draft_model"])
+    parser.add_argument("--placements", type=lambda s: s.split(","), default=list(PLACEMENTS))
+    parser.add_argument("--ks", type=ints, default=[1, 2, 4, 8], help="fixed K to compare (default: 1,2,4,8)")
+    parser.add_argument("--requests", type=int, default=16, help="requests per level (at least c)")
+    parser.add_argument("--prompts", type=int, default=32, help="distinct held-out prompts")
+    args = parser.parse_args(argv)
+    for placement in args.placements:
+        if placement not in PLACEMENTS:
+            parser.error(f"unknown placement {placement!r}; use {', '.join(PLACEMENTS)}")
+    rows = sweep(args)
+    notes = __doc__.split("\n\n", 2)[2]
+    write_run_report(
+        "http_sweep", rows, args, title="Speculation over HTTP: adaptive vs fixed K vs off", notes=notes
+    )
+    args_summary = argparse.Namespace(**{**vars(args), "size": f"{args.size}_summary"})
+    write_run_report(
+        "http_sweep",
+        summary(rows),
+        args_summary,
+        title="Speculation over HTTP: summary (speedups over off measured beside each configuration)",
+        notes="Adaptive and the best of the fixed K at each point; the rows are in http_sweep_<size>.md.",
+    )
+
+
+if __name__ == "__main__":
+    main()
