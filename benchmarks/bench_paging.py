@@ -56,12 +56,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-tokens", type=int, default=192, help="shared prefix of the prefix workload")
     parser.add_argument("--baseline-commit", default=BASELINE_COMMIT, help="'none': paged only")
     parser.add_argument("--repeats", type=int, default=3, help="runs per engine, alternating; medians")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per engine (default: 1)")
     parser.add_argument("--worker", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return run_worker(Path(args.worker[0]), Path(args.worker[1]))
     family = ensure_demo_family(args.size)
-    spec = workload_spec(family, args)
+    spec = {**workload_spec(family, args), "threads": args.threads}
     engines = {"paged": None}
     if args.baseline_commit != "none":
         engines = {"extents": args.baseline_commit, **engines}
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = report_rows({kind: medians(measured) for kind, measured in runs.items()})
     notes = (__doc__.split("\n\n", 2)[2] if __doc__ else "") + (
         f"\nFamily `{args.size}` (max_model_len {spec['max_model_len']}); baseline commit "
-        f"`{args.baseline_commit}`. Speedups: paged / extents in this run."
+        f"`{args.baseline_commit}`; {args.threads} torch thread(s) per engine. Speedups: paged / "
+        "extents in this run."
     )
     write_run_report("paging", rows, args, title="Paged KV cache vs per-sequence extents", notes=notes)
 
@@ -127,7 +129,7 @@ def stop_strings(spec: dict, prompts: list[list[int]]) -> list[str]:
 
 def run_in_process(spec: dict, kind: str, commit: str | None) -> dict:
     """Runs the workloads in a fresh process: this checkout's engine, or `commit`'s."""
-    env = dict(os.environ)
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec.get("threads", 1))}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if commit is not None:
@@ -192,7 +194,10 @@ def report_rows(results: dict) -> list[dict]:
 
 
 def run_worker(in_path: Path, out_path: Path) -> None:
+    import torch
+
     spec = json.loads(in_path.read_text())
+    torch.set_num_threads(spec.get("threads", 1))
     out = {
         "concurrency": concurrency_workload(spec),
         "prefix": prefix_workload(spec),
@@ -297,7 +302,7 @@ def throughput_workload(spec: dict) -> dict:
             budget = {"tree_budget": TreeBudget(max_nodes=5, max_depth=4, top_k=1), "budget_policy": "fixed"}
         engine = _engine(spec, batch * spec["max_model_len"], max_batch=batch, source=source, **budget)
         prompts = spec["throughput_prompts"][:batch]
-        _serve(engine, prompts[:2], [params] * 2)  # warm-up
+        _serve(engine, spec["throughput_prompts"][:2], [params] * 2)  # warm-up
         cases[name] = _serve(engine, prompts, [params] * batch)
     return cases
 
