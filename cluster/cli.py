@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         "build",
         help="train (or fetch from cache) the demo family",
         description="Train the demo family, or return at once when a verified copy is cached. "
-        "`tiny` takes about 3 minutes on 2 CPU cores (5 with its heads); `small` 10 to 30 (17 to 50 with heads).",
+        "`tiny` takes about 3 minutes on 2 CPU cores (5 with its heads); `small` about 35 minutes on a free 2-core CPU (50 measured with the CPU shared; its four heads 16 more).",
     )
     build.add_argument(
         "--size", choices=sizes, default=DEFAULT_SIZE, help="which recipe (default: %(default)s)"

@@ -3,8 +3,9 @@
 A recipe is data. Its hash keys the cache, so changing any number here rebuilds the family
 on next use instead of serving stale weights.
 
-Why these sizes (2-core CPU, bf16 autocast; measured with `outrider demo build`):
-- `small` must build in about 10 minutes because a new user waits for it on first use. In a
+Why these sizes (2-core CPU; measured with `outrider demo build`):
+- `small` must build in well under an hour because a new user waits for it on first use (about
+  35 minutes on a free 2-core AVX2 CPU, fp32: `demo.train`). In a
   fixed compute budget a small model that sees more tokens beats a large one that sees few,
   so the target is ~5M parameters (H=256, 4 layers) at context 256 rather than the 24M/512
   reference, and the draft LM is ~1.4M parameters distilled from the target (a distilled
