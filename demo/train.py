@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from outrider.demo.precision import cpu_bf16_autocast
 from outrider.demo.recipe import ModelRecipe, TrainRecipe
-from outrider.draft_worker.training.common import cpu_bf16_autocast
 
 
 def llama_config(recipe: ModelRecipe, vocab_size: int, eos_token_id: int) -> LlamaConfig:

@@ -23,7 +23,13 @@ batch's expected committed tokens per second is highest:
   `probe_every` rounds and less often while speculation stays off everywhere, so their
   estimates stay current when their text turns predictable again;
 - the first rounds cycle the depth 0 .. ceiling, so the cost fits see a spread of tokens and
-  depths; a fit keeps its last slope while later rounds stop varying.
+  depths; a fit keeps its last slope while later rounds stop varying;
+- the model is checked against what rounds measure: the committed tokens per second of the
+  rounds the solver chose to draft in, and of rounds where nobody drafted (decayed). While
+  speculating, an *off probe* round (no drafts anywhere) now and then keeps the second
+  current, spaced ever wider while the check agrees; when drafting rounds measure slower,
+  speculation is vetoed (the model's extrapolation was wrong: a drafting-only history
+  cannot tell its intercept from its slopes) until that evidence ages out.
 
 `fixed` is vLLM's behaviour: every sequence drafts the ceiling each round.
 """
@@ -57,6 +63,10 @@ class PolicyConfig:
     cost_decay: float = 0.98  # per-round decay of the cost fits' sums (conditions drift)
     resolve_every: int = 8  # rounds between full solves of the deepest budget and the ratio
     warmup_cycles: int = 2  # rounds 0 .. (ceiling + 1) * cycles - 1 cycle the depth 0 .. ceiling
+    probe_chain: int = 32  # kept probes in a row that paid, before spacing them again
+    goodput_decay: float = 0.9  # per-round decay of the measured goodput of drafting / off rounds
+    goodput_min_rounds: float = 3.0  # decayed rounds of each kind before the check can veto
+    veto_decay: float = 0.99  # per-round ageing of the drafting evidence while vetoed
 
 
 class _Fit:
@@ -119,6 +129,8 @@ class PolicyStats:
     predicted_tokens: float = 0.0  # sum over verified sequence-rounds of tokens(k) predicted
     measured_tokens: int = 0  # and of the tokens they committed
     rounds_off: int = 0  # rounds in which no sequence drafted
+    vetoed_rounds: int = 0  # rounds the solver wanted drafts that measured goodput turned off
+    off_probes: int = 0  # rounds turned off to measure goodput without speculation
 
 
 class SpeculationPolicy:
@@ -135,6 +147,14 @@ class SpeculationPolicy:
         self.rounds = 0
         self._solved: tuple[int, float, int] | None = None  # (deepest budget, ratio, at round)
         self._probe_interval, self._next_probe = self.config.probe_every, 0
+        # Measured goodput: decayed [tokens, seconds, rounds] of rounds the solver drafted in
+        # (True) and of rounds nobody drafted (False); the planned round's kind (None: a
+        # probe or warm-up round, not evidence of either).
+        self._goodput = {True: [0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0]}
+        self._off_interval, self._next_off = self.config.probe_every, 0
+        self._planned: bool | None = None
+        self._off_probe = False  # the planned round is an off probe (not to be probed either)
+        self._chain = 0  # kept probes in a row since speculation was last on
         self._gain_rows: dict[int, np.ndarray] = {}  # seq_id -> its `_gains` row, while valid
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
         self._predicted: dict[int, float] = {}
@@ -148,14 +168,20 @@ class SpeculationPolicy:
         if not seq_ids:
             return []
         ceiling = [max(0, min(self.ceiling.max_depth, limit.max_depth)) for limit in limits]
-        if self._all_off():  # the common case where speculation does not pay: no estimates needed
+        vetoed = self._vetoed() and not self._due()  # measured goodput says off: no solve needed
+        if vetoed or self._all_off():  # the common case where speculation does not pay
+            self._planned, self._off_probe = False, False
+            if vetoed:
+                self._age_drafting_evidence()
             depths = self._probed(seq_ids, [0] * len(seq_ids), ceiling)
             predicted = [
                 1.0 if k == 0 else float(self._gain([s])[0, k]) for s, k in zip(seq_ids, depths, strict=True)
             ]
         else:
             gain = self._gain(seq_ids)
-            depths = self._probed(seq_ids, self._depths(gain, ceiling, prefill_tokens), ceiling)
+            depths = self._probed(
+                seq_ids, self._checked(self._depths(gain, ceiling, prefill_tokens)), ceiling
+            )
             predicted = gain[np.arange(len(seq_ids)), depths].tolist()
         out = []
         for seq_id, limit, k, tokens in zip(seq_ids, limits, depths, predicted, strict=True):
@@ -179,10 +205,19 @@ class SpeculationPolicy:
         round_s: float,
         deepest_budget: int,
         draft_wait_s: float,
+        prefill_tokens: int = 0,
     ) -> None:
         """One round's evidence: each verified sequence's draft outcome, and what it cost."""
         self.rounds += 1
         config = self.config
+        evidence = (sum(o[4] for o in outcomes), round_s + draft_wait_s, 1.0)
+        if self._planned is not None and not prefill_tokens:  # prompt chunks would blur the rate
+            kept = self._goodput[self._planned]
+            for i, value in enumerate(evidence):
+                kept[i] = config.goodput_decay * kept[i] + value
+        off = self._goodput[False]
+        # A probe round that measured fewer tokens per second than rounds without drafts.
+        probe_paid = off[2] < config.goodput_min_rounds or evidence[0] * off[1] >= off[0] * evidence[1]
         drafted = 0
         for seq_id, budget_depth, depth, accepted, committed in outcomes:
             predicted = self._predicted.pop(seq_id, None)
@@ -192,10 +227,18 @@ class SpeculationPolicy:
             if budget_depth == 0:
                 continue
             drafted += 1
-            if accepted and self._solved is not None and self._solved[0] == 0:
-                # A probe's draft was kept while speculation is off: look again soon, and often.
-                self._probe_interval = self.config.probe_every
-                self._next_probe = min(self._next_probe, self.rounds + 1)
+            if self._solved is not None and self._solved[0] == 0:
+                # A probe while speculation is off. Kept, and as fast as rounds without drafts:
+                # solve again next round with what it showed, and probe again, up to
+                # `probe_chain` times in a row. Kept but slower (drafting costs more than it
+                # earns here: chaining would be depth-1 speculation for good) or lost: the
+                # chain ends.
+                if accepted and self._chain < config.probe_chain and probe_paid:
+                    self._chain += 1
+                    self._next_probe = min(self._next_probe, self.rounds + 1)
+                    self._solved = (0, self._solved[1], self.rounds - config.resolve_every)
+                else:
+                    self._chain = 0
             # Asked for a draft and given none (nothing matched): for the policy, as good as a
             # first draft token lost.
             depth = max(depth, 1)
@@ -225,7 +268,9 @@ class SpeculationPolicy:
             for b, (seq, tree) in enumerate(zip(verified, trees, strict=True))
         ]
         tokens = int(plan.trees.cu_num_draft_tokens[-1]) + plan.num_prefill_tokens
-        self.observe(outcomes, tokens, round_s, max(budgets, default=0), draft_wait_s)
+        self.observe(
+            outcomes, tokens, round_s, max(budgets, default=0), draft_wait_s, plan.num_prefill_tokens
+        )
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
@@ -316,6 +361,48 @@ class SpeculationPolicy:
             self._solved = (int(ms[best]), float(lam[best]), self.rounds)
         return choice[best].tolist()
 
+    def _vetoed(self) -> bool:
+        """Rounds with drafts measured fewer committed tokens per second than rounds without."""
+        if not self.config.adaptive or self._warming_up():
+            return False
+        on, off = self._goodput[True], self._goodput[False]
+        enough = min(on[2], off[2]) >= self.config.goodput_min_rounds
+        return enough and on[0] * off[1] < off[0] * on[1]
+
+    def _age_drafting_evidence(self) -> None:
+        """While vetoed, the drafting rounds' evidence fades, so the solver's choice is tried again."""
+        for i in range(3):
+            self._goodput[True][i] *= self.config.veto_decay
+        self.stats.vetoed_rounds += 1
+
+    def _checked(self, depths: list[int]) -> list[int]:
+        """The solver's depths, unless measured goodput says otherwise (see the module docstring):
+        all 0 on an off probe, or while drafting rounds measure fewer tokens per second than
+        rounds without drafts."""
+        self._planned, self._off_probe = None, False
+        if not self.config.adaptive or self._warming_up():
+            return depths
+        if not any(depths):
+            self._planned = False
+            return depths
+        if self._vetoed():
+            self._age_drafting_evidence()
+            self._planned = False
+            return [0] * len(depths)
+        on, off = self._goodput[True], self._goodput[False]
+        enough = min(on[2], off[2]) >= self.config.goodput_min_rounds
+        if self.rounds >= self._next_off:
+            self._next_off = self.rounds + self._off_interval
+            # Spaced ever wider once both kinds are measured and drafting wins.
+            self._off_interval = (
+                min(2 * self._off_interval, self.config.max_probe_every) if enough else self._off_interval
+            )
+            self.stats.off_probes += 1
+            self._planned, self._off_probe = False, True
+            return [0] * len(depths)
+        self._planned = True
+        return depths
+
     def _probed(self, seq_ids: Seq[int], depths: list[int], ceiling: list[int]) -> list[int]:
         """On probe rounds every sequence not speculating drafts depth 1, so its estimates stay
         current. Probe rounds are shared (the drafter's fixed cost per call is paid once for
@@ -324,9 +411,10 @@ class SpeculationPolicy:
         if not self.config.adaptive or self._warming_up():
             return depths
         if any(depths):
-            self._probe_interval = self.config.probe_every
-        if self.rounds < self._next_probe:
+            self._probe_interval, self._chain = self.config.probe_every, 0
+        if self.rounds < self._next_probe or self._off_probe:
             return depths
+        self._planned = None
         self._next_probe = self.rounds + self._probe_interval
         if not any(depths):
             self._probe_interval = min(2 * self._probe_interval, self.config.max_probe_every)

@@ -12,7 +12,6 @@ AdamW state and the step go to `<out_dir>/train_state/` (safetensors + json; nev
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -26,21 +25,12 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from outrider.demo.precision import cpu_bf16_autocast
+
 if TYPE_CHECKING:
     from outrider.draft_worker.training import TrainArgs
 
 STATE_DIR = "train_state"
-
-
-@functools.cache
-def cpu_bf16_autocast() -> bool:
-    """Whether bf16 autocast speeds up training on this CPU.
-
-    It does where oneDNN has native bf16 matmuls (AVX-512 BF16, AMX: ~1.5-2x over fp32). Where
-    it does not, oneDNN emulates them: on a 2-core AVX2 EPYC a `small` demo target step took
-    22 s under bf16 autocast against 1.5 s in fp32. So autocast is used only where it pays.
-    """
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def cosine_lr(step: int, steps: int, lr: float, warmup: int, min_ratio: float = 0.1) -> float:
