@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_draft_model import CHAIN, TREE, contexts, make, path_to, update
+from test_draft_model import CHAIN, TREE, contexts, make, path_to, plain_forward, update
 
 from outrider.draft_worker.path_processors import DraftProcessors
 from outrider.kernels import process_logits
 from outrider.proto import CandidateTree, SamplingParams, SequenceUpdate
 from outrider.proto import outrider_pb2 as pb
-from outrider.target_worker.batch import SequenceChunk, build_forward_batch
 from outrider.target_worker.logits_processors import process_tree_rows
-from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import RequestParams, Sequence
 
 PENALTIES = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.4)
@@ -28,14 +26,7 @@ def draft_dir(tiny_family):
 
 @pytest.fixture(scope="module")
 def reference(draft_dir):
-    runner = ModelRunner.from_pretrained(draft_dir, max_model_len=256, kv_cache_rows=256)
-    start = runner.cache.allocate(0, 256)
-
-    def next_logits(tokens: list[int]) -> torch.Tensor:
-        chunk = SequenceChunk(start, 0, torch.tensor(tokens, dtype=torch.int64))
-        return runner.forward(build_forward_batch([chunk])).logits[-1]
-
-    return next_logits
+    return plain_forward(draft_dir)
 
 
 def settings(ctx: list[int], next_logits, temperature: float) -> tuple[RequestParams, SamplingParams]:
