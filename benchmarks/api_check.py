@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="small")
     parser.add_argument("--apps", default=",".join(a for a in APPS if a != "off"))
     parser.add_argument("--results-dir", default=None)
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the report's rows of apps this run does not check"
+    )
     args = parser.parse_args(argv)
     import openai
     import ray
@@ -200,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
+    results_dir = Path(args.results_dir) if args.results_dir else RESULTS_DIR
+    earlier = results_dir / f"api_check_{args.size}.json"
+    if args.merge and earlier.is_file():
+        checked = {row["app"] for row in rows}
+        rows = [row for row in json.loads(earlier.read_text())["results"] if row["app"] not in checked] + rows
     failed = [
         (r["app"], k)
         for r in rows
@@ -222,11 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     write_report(
         f"api_check_{args.size}",
         rows,
-        {"size": args.size, "argv": sys.argv[1:]},
+        {"size": args.size, "argv": sys.argv[1:], "merged": args.merge},
         title="The OpenAI API under speculation: issue 20's checks",
         notes=notes,
         columns=list(dict.fromkeys(k for r in rows for k in r)),
-        results_dir=Path(args.results_dir) if args.results_dir else RESULTS_DIR,
+        results_dir=results_dir,
     )
     return 1 if failed else 0
 
