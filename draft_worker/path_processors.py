@@ -21,7 +21,13 @@ from collections.abc import Sequence
 import torch
 
 from outrider.proto import SamplingParams, SequenceUpdate
-from outrider.target_worker.logits_processors import Penalties, add_logit_bias, mask_stops, penalize_paths
+from outrider.target_worker.logits_processors import (
+    Penalties,
+    add_logit_bias,
+    committed_counts,
+    mask_stops,
+    penalize_paths,
+)
 
 
 class DraftProcessors:
@@ -47,6 +53,7 @@ class DraftProcessors:
             )
             for b, s in ((b, samplings[b]) for b in self.penalized)
         ]
+        self.committed: tuple[torch.Tensor, torch.Tensor | None] | None = None  # `committed_counts`
 
     @classmethod
     def of(cls, updates: Sequence[SequenceUpdate], states: Sequence) -> DraftProcessors | None:
@@ -88,5 +95,9 @@ class DraftProcessors:
             index = torch.tensor(rows, device=device)
             path_row = torch.arange(len(rows), device=device).repeat_interleave(depth)
             path_token = drafts.to(device)[index].flatten()
-            out[index] = penalize_paths(out[index], self.penalties, slot, path_row, path_token)
+            if self.committed is None:  # the same for every depth of the round
+                self.committed = committed_counts(self.penalties, out.shape[-1], device)
+            out[index] = penalize_paths(
+                out[index], self.penalties, slot, path_row, path_token, self.committed
+            )
         return out

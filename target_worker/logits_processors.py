@@ -152,39 +152,48 @@ def penalize(
     return penalize_paths(rows, penalties, slot, path_row, path_token)
 
 
+def committed_counts(
+    penalties: list[Penalties], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([S, vocab] float32 output counts, [S, vocab] bool prompt tokens or None if no sequence
+    has a repetition penalty): what every row of a sequence starts from."""
+
+    def index(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    out_slot = [s for s, p in enumerate(penalties) for _ in p.output_ids]
+    out_ids = [t for p in penalties for t in p.output_ids]
+    counts = torch.zeros(len(penalties), vocab, device=device)
+    counts.index_put_(
+        (index(out_slot), index(out_ids)), torch.ones(len(out_ids), device=device), accumulate=True
+    )
+    prompt_slot = [s for s, p in enumerate(penalties) for _ in p.prompt_ids]
+    if not prompt_slot:
+        return counts, None
+    in_prompt = torch.zeros(len(penalties), vocab, dtype=torch.bool, device=device)
+    in_prompt[index(prompt_slot), index([t for p in penalties for t in p.prompt_ids])] = True
+    return counts, in_prompt
+
+
 def penalize_paths(
     rows: torch.Tensor,  # [N, vocab] float32
     penalties: list[Penalties],  # [S]
     row_seq: list[int] | torch.Tensor,  # [N]; each row's sequence (index into `penalties`)
     path_row: list[int] | torch.Tensor,  # [P]; one entry per (row, draft token on the row's path)
     path_token: list[int] | torch.Tensor,  # [P]
+    committed: tuple[torch.Tensor, torch.Tensor | None] | None = None,  # `committed_counts`, if kept
 ) -> torch.Tensor:  # [N, vocab]
     """The penalties of rows whose counts are their sequence's committed output + their path's
     tokens: two scatter-adds for the whole batch (the target's tree nodes, a drafter's frontier)."""
-    device, vocab = rows.device, rows.shape[-1]
-
-    def index(values: list[int] | torch.Tensor) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=torch.int64).to(device)
-
-    out_slot = [s for s, p in enumerate(penalties) for _ in p.output_ids]
-    out_ids = [t for p in penalties for t in p.output_ids]
-    counts = torch.zeros(len(penalties), vocab, device=device)  # [S, vocab] committed output counts
-    counts.index_put_(
-        (index(out_slot), index(out_ids)), torch.ones(len(out_ids), device=device), accumulate=True
-    )
-    slot = index(row_seq)
+    device = rows.device
+    counts, in_prompt = committed or committed_counts(penalties, rows.shape[-1], device)
+    slot = torch.as_tensor(row_seq, dtype=torch.int64).to(device)
     counts = counts[slot]  # [N, vocab]
-    path_row = index(path_row)
-    counts.index_put_(
-        (path_row, index(path_token)), torch.ones(path_row.shape[0], device=device), accumulate=True
-    )
+    path_row = torch.as_tensor(path_row, dtype=torch.int64).to(device)
+    path_token = torch.as_tensor(path_token, dtype=torch.int64).to(device)
+    counts.index_put_((path_row, path_token), torch.ones(path_row.shape[0], device=device), accumulate=True)
     in_output = counts > 0
-    seen = in_output
-    prompt_slot = [s for s, p in enumerate(penalties) for _ in p.prompt_ids]
-    if prompt_slot:
-        in_prompt = torch.zeros(len(penalties), vocab, dtype=torch.bool, device=device)
-        in_prompt[index(prompt_slot), index([t for p in penalties for t in p.prompt_ids])] = True
-        seen = seen | in_prompt[slot]
+    seen = in_output if in_prompt is None else in_output | in_prompt[slot]
     per_seq = torch.tensor(
         [(p.repetition, p.frequency, p.presence) for p in penalties], dtype=torch.float32, device=device
     )
