@@ -225,7 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         f"schema of benchmarks/bench_structured.py; greedy output compared with `off`; {SAMPLED_JSON} outputs at "
         "T = 1 (5 seeds x n = 10) parsed and validated with jsonschema; tau under the schema = 1 + accepted / "
         "drafts over those requests (from the app's /metrics). eagle3-grpc: the family's eagle3 head in a draft "
-        "deployment, trees over gRPC. " + ("Every check passed." if not failed else f"FAILED: {failed}.")
+        "deployment, trees over gRPC. "
+        + (
+            "Rows of apps this run did not check come from the report's previous run (--merge). "
+            if args.merge
+            else ""
+        )
+        + ("Every check passed." if not failed else f"FAILED: {failed}.")
     )
     write_report(
         f"api_check_{args.size}",
