@@ -350,7 +350,7 @@ class OpenAIIngress:
                 "finish_reason": reason,
                 "logprobs": self._logprobs(req, entries, chat, 0, echo=not chat and req.echo),
             }
-            if not chat and req.prompt_logprobs is not None:
+            if req.prompt_logprobs is not None:  # chat: moved to the response's top below
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(
                     prompt, self._token_text, req.prompt_logprobs
                 )
@@ -376,6 +376,8 @@ class OpenAIIngress:
             usage(prompt_len, completion_tokens),
             chat,
         )
+        if chat and req.prompt_logprobs is not None:  # vLLM's place for them in a chat response
+            body["prompt_logprobs"] = [c.pop("prompt_logprobs") for c in body["choices"]][0]
         return JSONResponse(body)
 
     async def _stream(self, request_id: str, req, streams: list, prompt_len: int, chat: bool):

@@ -61,10 +61,15 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: [None, {id: {logprob, rank, decoded_token}}, ...] per completions choice, or at the
+    # top of a chat response; raw logits, as vLLM's. Not with stream (vLLM refuses it too).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _checked(self) -> SamplingFields:
         check_extra_fields(self.model_extra or {})
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available when stream is true (as vLLM)")
         for token, bias in (self.logit_bias or {}).items():
             if not token.lstrip("-").isdigit() or int(token) < 0:
                 raise ValueError(f"logit_bias: keys must be token ids, got {token!r}")
@@ -95,7 +100,7 @@ class SamplingFields(BaseModel):
     @property
     def num_prompt_logprobs(self) -> int | None:
         """Top logprobs the engine gathers per prompt token, or None for none."""
-        return None
+        return self.prompt_logprobs
 
     @field_validator("stop")
     @classmethod
@@ -142,14 +147,6 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top logprobs per token (OpenAI: <= 5)
-    # vLLM's: each choice's `prompt_logprobs`, [None, {id: {logprob, rank, decoded_token}}, ...]
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-
-    @model_validator(mode="after")
-    def _prompt_logprobs_whole(self) -> CompletionRequest:
-        if self.prompt_logprobs is not None and self.stream:
-            raise ValueError("prompt_logprobs: not available when stream is true (as vLLM)")
-        return self
 
     @property
     def num_logprobs(self) -> int | None:

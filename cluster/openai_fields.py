@@ -48,7 +48,6 @@ DEFAULT_ONLY: dict[str, Any] = {
     "functions": None,
     "function_call": "none",
     "store": False,
-    "prompt_logprobs": None,  # chat; completions implement vLLM's prompt_logprobs
     "use_beam_search": False,
     "length_penalty": 1.0,
     "include_stop_str_in_output": False,
@@ -200,9 +199,9 @@ def chat_logprobs(entries: list[TokenLogprob], decode) -> dict[str, Any]:
 
 
 def vllm_prompt_logprobs(entries: list[TokenLogprob], decode, top: int) -> list[dict[str, Any] | None]:
-    """vLLM's `prompt_logprobs` of a completions choice: None for the first prompt token (nothing
-    predicts it), then per token {token id: {logprob, rank, decoded_token}} for the token itself
-    and the `top` likeliest (`entries` may hold a wider top: echo's, gathered at once)."""
+    """vLLM's `prompt_logprobs` (of a completions choice, or a chat response): None for the first
+    prompt token (nothing predicts it), then per token {token id: {logprob, rank, decoded_token}}
+    for the token itself and the `top` likeliest (`entries` may hold a wider top: echo's)."""
 
     def item(logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
         return {"logprob": logprob, "rank": rank, "decoded_token": decode(token_id)}

@@ -116,7 +116,11 @@ def test_prompt_logprobs_as_vllm_and_shared_with_echo():
         refusal(CompletionRequest, COMPLETION | {"prompt_logprobs": 2, "stream": True})[0]
         == "prompt_logprobs"
     )
-    assert refusal(ChatCompletionRequest, CHAT | {"prompt_logprobs": 2})[0] == "prompt_logprobs"
+    chat = ChatCompletionRequest.model_validate(CHAT | {"prompt_logprobs": 2})
+    assert chat.request_params(4, 0).prompt_logprobs == 2
+    assert (
+        refusal(ChatCompletionRequest, CHAT | {"prompt_logprobs": 2, "stream": True})[0] == "prompt_logprobs"
+    )
     # Gathered with top 3 for echo; prompt_logprobs 1 shows the token itself and the likeliest.
     entries = (
         TokenLogprob(5, -0.5, ((5, -0.5), (6, -1.0), (7, -2.0)), rank=1),

@@ -352,6 +352,14 @@ def test_prompt_logprobs_as_vllm(base_url, tokenizer):
         assert pa[i].keys() == pb[i].keys()
         assert all(abs(pa[i][k]["logprob"] - pb[i][k]["logprob"]) < 1e-4 for k in pa[i])
     assert "prompt_logprobs" not in spec.completions.create(**kwargs).choices[0].to_dict()
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1}
-    status, error = post(f"{base_url}/spec/v1/chat/completions", chat)
+    # Chat: at the top of the response (vLLM's place), over the templated prompt.
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, temperature=0)
+    a, b = (c.chat.completions.create(**chat, extra_body={"prompt_logprobs": 1}) for c in (spec, off))
+    pa, pb = a.to_dict()["prompt_logprobs"], b.to_dict()["prompt_logprobs"]
+    assert len(pa) == a.usage.prompt_tokens and pa[0] is None and all(len(e) in (1, 2) for e in pa[1:])
+    assert [e.keys() for e in pa[1:]] == [e.keys() for e in pb[1:]]
+    assert "prompt_logprobs" not in a.choices[0].to_dict()
+    status, error = post(
+        f"{base_url}/spec/v1/chat/completions", chat | {"prompt_logprobs": 1, "stream": True}
+    )
     assert status == 400 and error["error"]["param"] == "prompt_logprobs", error
