@@ -374,8 +374,9 @@ class OutriderArgs(_Strict):
     def _check_speculative_config(self) -> OutriderArgs:
         if self.speculative_config is not None:
             config = self.speculative_config
-            if self.model is None and config.get("method") == "draft_model" and "model" not in config:
-                # Serving the demo: its own draft LM is filled in once the family is resolved.
+            if self.model is None and "model" not in config and _demo_drafts(config.get("method")):
+                # Serving the demo: its own draft LM or trained head is filled in once the family
+                # is resolved (`served_model`, `target.speculative_for`).
                 config = {**config, "model": "<demo draft>"}
             try:
                 parse_speculative(config)
@@ -394,6 +395,13 @@ class OutriderArgs(_Strict):
         if self.no_speculation:
             return None
         return self.speculative_config or dict(DEFAULT_SPECULATIVE_CONFIG)
+
+
+def _demo_drafts(method: str | None) -> bool:
+    """Whether the demo family brings this method's drafter: its draft LM, or a head it trains."""
+    from outrider.draft_worker.training.demo_heads import head_methods
+
+    return method == "draft_model" or method in head_methods()
 
 
 def parse_speculative(config: dict[str, Any]):

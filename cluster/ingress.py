@@ -29,12 +29,10 @@ target stream opens with an admitted `StreamChunk` that the ingress awaits first
 """
 
 import asyncio
-import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -54,15 +52,17 @@ from outrider.cluster.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    check_api_key,
     check_unicode,
     chunk_body,
     completion_body,
     new_id,
+    read_api_key,
     read_json_body,
     usage,
     validation_error,
 )
-from outrider.cluster.openai_fields import chat_logprobs, completion_logprobs
+from outrider.cluster.openai_fields import chat_logprobs, completion_logprobs, echoed, vllm_prompt_logprobs
 from outrider.cluster.resume import ResumableStream
 from outrider.cluster.served_model import ServedModel
 from outrider.cluster.text import Detokenizer, apply_chat_template, load_tokenizer, longest_token_chars
@@ -84,28 +84,6 @@ def _as_api_error(error: BaseException) -> ApiError:
         return ApiError(429, "the server is at capacity; retry later", code="overloaded")
     log.error("request failed: %s: %s", type(error).__name__, error, exc_info=error)
     return ApiError(500, f"internal error: {type(error).__name__}")
-
-
-def read_api_key(path: str | None) -> str | None:
-    """The key in `path` (surrounding whitespace dropped); None without a path. An empty file is an error."""
-    if path is None:
-        return None
-    key = Path(path).read_text().strip()
-    if not key:
-        raise ValueError(f"api_key_file {path!r} is empty")
-    return key
-
-
-def check_api_key(authorization: str | None, api_key: str | None) -> None:
-    """Raise 401 unless the `Authorization` header is `Bearer <api_key>`; no key set, no check."""
-    if api_key is None:
-        return
-    scheme, _, token = (authorization or "").partition(" ")
-    # compare_digest: the time taken must not tell how much of a guessed key was right.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise ApiError(
-            401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"
-        )
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024)
@@ -316,20 +294,22 @@ class OpenAIIngress:
         return stream
 
     async def _choice(self, stream, req: SamplingFields) -> AsyncIterator[tuple[str, int, str | None, tuple]]:
-        """(text delta, tokens in it, finish reason or None, their logprobs) until the choice ends."""
-        detok = Detokenizer(self.tokenizer, list(req.stop))
+        """(text delta, tokens in it, finish reason or None, their logprobs, prompt logprobs)
+        until the choice ends."""
+        detok, echo = Detokenizer(self.tokenizer, list(req.stop)), getattr(req, "echo", False)
         reason = None
         async for chunk in stream:
             text = detok.add(chunk.token_ids)
             reason = chunk.finish_reason
-            logprobs = (chunk.prompt_logprobs or ()) + (chunk.logprobs or ())  # echo: the prompt's first
+            prompt = chunk.prompt_logprobs or ()  # with the first tokens only; echo shows them first
+            logprobs = (echoed(prompt, req.num_logprobs) if echo else ()) + (chunk.logprobs or ())
             if chunk.snapshot is not None:
                 self.metrics.snapshot(chunk.snapshot)
             if detok.stopped:
                 stream.cancel()  # frees the sequence's batch slot now
-                yield text, len(chunk.token_ids), "stop", logprobs
+                yield text, len(chunk.token_ids), "stop", logprobs, prompt
                 return
-            yield (text + detok.flush() if reason else text), len(chunk.token_ids), reason, logprobs
+            yield (text + detok.flush() if reason else text), len(chunk.token_ids), reason, logprobs, prompt
             if reason:
                 return
 
@@ -357,18 +337,23 @@ class OpenAIIngress:
         start = time.monotonic()
 
         async def collect(index: int, stream) -> tuple[dict[str, Any], int, list[float]]:
-            parts, times, reason, entries = [], [], "length", []
-            async for text, n, finished, logprobs in self._choice(stream, req):
+            parts, times, reason, entries, prompt = [], [], "length", [], []
+            async for text, n, finished, logprobs, prompt_logprobs in self._choice(stream, req):
                 parts.append(text)
                 times.extend([time.monotonic()] * n)
                 reason = finished or reason
                 entries.extend(logprobs)
+                prompt.extend(prompt_logprobs)
             text = "".join(parts)
             choice = {
                 "index": index,
                 "finish_reason": reason,
                 "logprobs": self._logprobs(req, entries, chat, 0, echo=not chat and req.echo),
             }
+            if req.prompt_logprobs is not None:  # chat: moved to the response's top below
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                    prompt, self._token_text, req.prompt_logprobs
+                )
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -391,6 +376,8 @@ class OpenAIIngress:
             usage(prompt_len, completion_tokens),
             chat,
         )
+        if chat and req.prompt_logprobs is not None:  # vLLM's place for them in a chat response
+            body["prompt_logprobs"] = [c.pop("prompt_logprobs") for c in body["choices"]][0]
         return JSONResponse(body)
 
     async def _stream(self, request_id: str, req, streams: list, prompt_len: int, chat: bool):
@@ -406,7 +393,7 @@ class OpenAIIngress:
                     await merged.put((index, {"role": "assistant", "content": ""}, None, None))
                 elif req.echo:
                     await merged.put((index, self._echo(req), None, None))
-                async for text, n, finished, logprobs in self._choice(stream, req):
+                async for text, n, finished, logprobs, _ in self._choice(stream, req):
                     times.extend([time.monotonic()] * n)
                     counts[index] += n
                     reason = finished or reason

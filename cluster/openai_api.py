@@ -12,9 +12,11 @@ like OpenAI's own:
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import Request
@@ -59,10 +61,15 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: [None, {id: {logprob, rank, decoded_token}}, ...] per completions choice, or at the
+    # top of a chat response; raw logits, as vLLM's. Not with stream (vLLM refuses it too).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _checked(self) -> SamplingFields:
         check_extra_fields(self.model_extra or {})
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available when stream is true (as vLLM)")
         for token, bias in (self.logit_bias or {}).items():
             if not token.lstrip("-").isdigit() or int(token) < 0:
                 raise ValueError(f"logit_bias: keys must be token ids, got {token!r}")
@@ -89,6 +96,11 @@ class SamplingFields(BaseModel):
     def num_logprobs(self) -> int | None:
         """Top logprobs per token (0 = the token's own only), or None for no logprobs."""
         return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs the engine gathers per prompt token, or None for none."""
+        return self.prompt_logprobs
 
     @field_validator("stop")
     @classmethod
@@ -127,7 +139,7 @@ class SamplingFields(BaseModel):
             logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
             grammar=grammar,
             logprobs=self.num_logprobs,
-            prompt_logprobs=self.num_logprobs if getattr(self, "echo", False) else None,
+            prompt_logprobs=self.num_prompt_logprobs,
         )
 
 
@@ -139,6 +151,12 @@ class CompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Echo with logprobs and vLLM's prompt_logprobs share one gathering: the wider top."""
+        wanted = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        return max(wanted) if wanted else None
 
     @field_validator("prompt")
     @classmethod
@@ -343,3 +361,25 @@ def chunk_body(request_id: str, model: str, choices: list[dict[str, Any]], chat:
     if chat:
         body["object"] = "chat.completion.chunk"
     return body
+
+
+def read_api_key(path: str | None) -> str | None:
+    """The key in `path` (surrounding whitespace dropped); None without a path. An empty file is an error."""
+    if path is None:
+        return None
+    key = Path(path).read_text().strip()
+    if not key:
+        raise ValueError(f"api_key_file {path!r} is empty")
+    return key
+
+
+def check_api_key(authorization: str | None, api_key: str | None) -> None:
+    """Raise 401 unless the `Authorization` header is `Bearer <api_key>`; no key set, no check."""
+    if api_key is None:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    # compare_digest: the time taken must not tell how much of a guessed key was right.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise ApiError(
+            401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"
+        )

@@ -15,6 +15,7 @@ vLLM's older `guided_*` fields; each becomes one `GrammarSpec` for the engine (x
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from outrider.target_worker.sequence import GrammarSpec, TokenLogprob
@@ -47,7 +48,6 @@ DEFAULT_ONLY: dict[str, Any] = {
     "functions": None,
     "function_call": "none",
     "store": False,
-    "prompt_logprobs": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
     "include_stop_str_in_output": False,
@@ -196,3 +196,25 @@ def chat_logprobs(entries: list[TokenLogprob], decode) -> dict[str, Any]:
         ],
         "refusal": None,
     }
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprob], decode, top: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` (of a completions choice, or a chat response): None for the first
+    prompt token (nothing predicts it), then per token {token id: {logprob, rank, decoded_token}}
+    for the token itself and the `top` likeliest (`entries` may hold a wider top: echo's)."""
+
+    def item(logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": decode(token_id)}
+
+    out: list[dict[str, Any] | None] = [None]
+    for e in entries:
+        scores = {str(t): item(lp, r, t) for r, (t, lp) in enumerate(e.top[:top], start=1)}
+        scores.setdefault(str(e.token_id), item(e.logprob, e.rank, e.token_id))
+        out.append(scores)
+    return out
+
+
+def echoed(prompt: tuple[TokenLogprob, ...], top: int | None) -> tuple[TokenLogprob, ...]:
+    """The prompt entries a completions echo shows: none without `logprobs`, else each one's top
+    cut to `top` (the engine gathers the wider of echo's and prompt_logprobs' at once)."""
+    return () if top is None else tuple(replace(e, top=e.top[:top]) for e in prompt)

@@ -57,6 +57,7 @@ from outrider.draft_worker.model_drafting import (
     draft_chains,
     draft_vocabulary,
 )
+from outrider.draft_worker.path_processors import DraftProcessors
 from outrider.draft_worker.proposer import NO_HINTS, DraftHints, Proposer, register_proposer
 from outrider.draft_worker.tree_builder import build_trees, draft_generator
 from outrider.proto import CandidateTree, SequenceUpdate
@@ -263,6 +264,7 @@ class DraftModelProposer(Proposer[DraftModelState]):
                 room = self.max_model_len - states[b].cached  # positions left after the root
                 depth = min(budget.max_depth, room)
                 budgets[b] = replace(budget, max_depth=depth) if depth > 0 else NO_DRAFT
+        processors = DraftProcessors.of(updates, states)
         if all(b.top_k <= 1 for b in budgets) and all(u.sampling.greedy for u in updates):
 
             def step(chain: ChainStep) -> torch.Tensor:
@@ -277,6 +279,7 @@ class DraftModelProposer(Proposer[DraftModelState]):
                 step,
                 sampled_mode=self.config.sampled_mode,
                 hints=hints,
+                processors=processors,
             )
         scratch = TreeScratch(
             lambda batch: self.runner.forward(batch).logits, self.runner.device, self.scratch_rows, states
@@ -288,6 +291,7 @@ class DraftModelProposer(Proposer[DraftModelState]):
             scratch,
             sampled_mode=self.config.sampled_mode,
             generators=[s.generator for s in states],
+            processors=processors,
         )
         self.forwards += scratch.forwards
         return trees

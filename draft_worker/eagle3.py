@@ -45,6 +45,7 @@ from outrider.draft_worker.model_drafting import (
     check_model_options,
     draft_chains,
 )
+from outrider.draft_worker.path_processors import DraftProcessors
 from outrider.draft_worker.proposer import Proposer, register_proposer, root_only_tree
 from outrider.draft_worker.tree_builder import build_trees, draft_generator
 from outrider.proto import CandidateTree, FeatureSpec, SequenceUpdate, TreeBudget
@@ -251,6 +252,7 @@ class Eagle3Proposer(Proposer[EagleState]):
             scratch,
             sampled_mode=self.config.sampled_mode,
             generators=[s.generator for s in states],
+            processors=DraftProcessors.of(updates, states),
         )
 
     def _draft_chains(
@@ -263,18 +265,27 @@ class Eagle3Proposer(Proposer[EagleState]):
         """`draft_chains` over the head: each step's row takes its parent's output hidden, and
         logits over the reduced vocabulary map to target ids (`draft_ids`)."""
         carried = hidden  # [rows still drafting, H] their newest output hidden
+        processors = DraftProcessors.of(updates, states)
+        # The processors index the target's vocabulary: then logits over it (-inf off the draft's).
+        logits_of = self.head.logits if processors is None else self.full_logits
 
         def first(active: list[int]) -> torch.Tensor:
             nonlocal carried
             carried = hidden[active]
-            return self.head.logits(carried)
+            return logits_of(carried)
 
         def step(chain: ChainStep) -> torch.Tensor:
             nonlocal carried
             batch = build_forward_batch(chain.decode_chunks(states), device=self.device)
             carried = self.head_forward(batch, carried[chain.keep])
-            return self.head.logits(carried)
+            return logits_of(carried)
 
         return draft_chains(
-            updates, budgets, first, step, sampled_mode=self.config.sampled_mode, token_ids=self.draft_ids
+            updates,
+            budgets,
+            first,
+            step,
+            sampled_mode=self.config.sampled_mode,
+            token_ids=self.draft_ids if processors is None else None,
+            processors=processors,
         )

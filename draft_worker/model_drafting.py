@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from outrider.draft_worker.path_processors import DraftProcessors
 from outrider.draft_worker.proposer import NO_HINTS, DraftHints, root_only_tree
 from outrider.draft_worker.tree_builder import Frontier
 from outrider.proto import CandidateTree, DraftSampling, SequenceUpdate, TreeBudget
@@ -122,6 +123,7 @@ def draft_chains(
     sampled_mode: DraftSampling,
     hints: DraftHints = NO_HINTS,
     token_ids: torch.Tensor | None = None,  # [V] the token of each logit (a reduced draft vocabulary)
+    processors: DraftProcessors | None = None,  # the target's path processors (full-vocabulary logits)
 ) -> list[CandidateTree]:
     """Chains without the tree builder's ranking (its per-depth sorts cost more than a small
     draft's forward), giving exactly its top_k = 1 trees: each child is the argmax; its q row
@@ -138,6 +140,11 @@ def draft_chains(
     logits = first_logits(active)  # [len(active), V]
     for depth in range(max(lengths, default=0) + extra):
         hints.check_interrupted()  # only while speculating
+        if processors is not None:  # each chain's drafts so far are its path
+            paths = torch.tensor([drafts[b][:depth] for b in active], dtype=torch.int64).view(
+                len(active), depth
+            )
+            logits = processors(logits, torch.tensor(active), paths)
         top_q, top_t = logits.float().softmax(-1).topk(width, dim=-1)  # [len(active), width] each
         if token_ids is not None:
             top_t = token_ids[top_t]

@@ -65,6 +65,7 @@ from outrider.draft_worker.model_drafting import (
     draft_chains,
     draft_vocabulary,
 )
+from outrider.draft_worker.path_processors import DraftProcessors
 from outrider.draft_worker.proposer import Proposer, register_proposer, root_only_tree
 from outrider.draft_worker.tree_builder import build_trees, draft_generator
 from outrider.proto import CandidateTree, FeatureSpec, SequenceUpdate, TreeBudget
@@ -255,6 +256,7 @@ class MTPProposer(Proposer[MTPState]):
             scratch,
             sampled_mode=self.config.sampled_mode,
             generators=[s.generator for s in states],
+            processors=DraftProcessors.of(updates, states),
         )
         self.forwards += scratch.forwards
         return trees
@@ -316,5 +318,10 @@ class MTPProposer(Proposer[MTPState]):
 
         # Every drafting row has a chain (depth and nodes left, top_k 1): `first` gets exactly them.
         return draft_chains(
-            updates, budgets, lambda active: logits, step, sampled_mode=self.config.sampled_mode
+            updates,
+            budgets,
+            lambda active: logits,
+            step,
+            sampled_mode=self.config.sampled_mode,
+            processors=DraftProcessors.of(updates, states),
         )

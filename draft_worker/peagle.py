@@ -29,6 +29,7 @@ import torch
 
 from outrider.draft_worker.eagle3 import Eagle3Proposer, EagleState
 from outrider.draft_worker.model_drafting import draft_chains
+from outrider.draft_worker.path_processors import DraftProcessors
 from outrider.draft_worker.proposer import register_proposer, root_only_tree
 from outrider.draft_worker.tree_builder import Frontier, build_trees
 from outrider.proto import CandidateTree, SequenceUpdate
@@ -70,6 +71,7 @@ class PEagleProposer(Eagle3Proposer):
                 lambda active: logits[active, 0],
                 lambda chain: logits[chain.rows, chain.depth + 1],
                 sampled_mode=self.config.sampled_mode,
+                processors=DraftProcessors.of(updates, states),
             )
 
         def position_logits(frontier: Frontier) -> torch.Tensor:  # [rows, vocab]: position d's
@@ -82,6 +84,7 @@ class PEagleProposer(Eagle3Proposer):
             position_logits,
             sampled_mode=self.config.sampled_mode,
             generators=[s.generator for s in states],
+            processors=DraftProcessors.of(updates, states),
         )
 
     def _parallel_logits(self, states: Sequence[EagleState], depth: int) -> torch.Tensor:

@@ -8,7 +8,8 @@ A proposer hands over its root logits and one batched callback; the builder does
 For every sequence of the batch at once, depth by depth (budget = max_nodes N, max_depth D,
 top_k k, per sequence and per round):
 
-    expand   each frontier node's q = process_logits(logits) gets k children; a child's score
+    expand   each frontier node's q = process_logits(logits) gets k children (the logits first
+             through the target's path processors when the request has any); a child's score
              V is its parent's V times its sibling weight (below)
     select   the next frontier = the k best new nodes of each sequence (by V), whose logits
              come from one logits_fn call for the whole batch; a node already outranked by
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from outrider.draft_worker.path_processors import DraftProcessors
 from outrider.draft_worker.proposer import root_only_tree
 from outrider.draft_worker.sampling import (
     QParams,
@@ -125,8 +127,11 @@ def build_trees(
     *,
     sampled_mode: DraftSampling,
     generators: Sequence[torch.Generator | None],
+    processors: DraftProcessors | None = None,
 ) -> list[CandidateTree]:
-    """One candidate tree per update (CPU tensors), each within its budget."""
+    """One candidate tree per update (CPU tensors), each within its budget. `processors`: the
+    target's penalties, logit_bias and min_tokens, applied to each row's logits with its path
+    before its q is formed (`path_processors`)."""
     device = root_logits.device
     batch = len(updates)
     top_k = torch.tensor([b.top_k for b in budgets], device=device)  # [batch]
@@ -152,6 +157,8 @@ def build_trees(
     q_rows: list[_QRows] = []
     num_candidates = 0
     for depth in range(depth_limit):
+        if processors is not None:
+            logits = processors(logits, frontier.seq, paths[:, 1:])
         children, row, ids, probs = expander.expand(
             frontier, frontier_ids, logits, noise[frontier.seq, depth, slot]
         )

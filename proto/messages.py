@@ -21,22 +21,56 @@ from outrider.proto.tensor import decode_tensor, encode_tensor, repeated_to_tens
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """The target's sampling settings; the drafter applies the same ones to build q."""
+    """The target's sampling settings; the drafter applies the same ones to build q.
+
+    Besides temperature/top-k/top-p/min-p, the processors that depend on the tokens so far
+    (penalties, logit_bias, min_tokens: docs/algorithms.md section 2d), so a drafter can
+    process each node's q with the tokens on its path as the target processes p."""
 
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = disabled
     top_p: float = 1.0  # in (0, 1]; 1 = disabled
     min_p: float = 0.0  # in [0, 1]; 0 = disabled
     seed: int | None = None  # None = unseeded
+    presence_penalty: float = 0.0  # 0 = off; counted over the output
+    frequency_penalty: float = 0.0  # 0 = off; counted over the output
+    repetition_penalty: float = 1.0  # 1 = off; every token of prompt + output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # `stop_ids` masked while the output is shorter
+    stop_ids: tuple[int, ...] = ()  # the sequence's EOS and stop_token_ids (with min_tokens only)
+    num_prompt: int = 0  # context tokens before the output (the output is the rest)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any path-dependent processor applies to this sequence's q."""
+        return self.penalized or bool(self.logit_bias) or bool(self.min_tokens and self.stop_ids)
+
     def to_proto(self) -> pb.SamplingParams:
-        return pb.SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed
+        message = pb.SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias_token_ids=[t for t, _ in self.logit_bias],
+            logit_bias_values=[b for _, b in self.logit_bias],
+            min_tokens=self.min_tokens,
+            stop_ids=self.stop_ids,
+            num_prompt=self.num_prompt,
         )
+        if self.repetition_penalty != 1.0:
+            message.repetition_penalty = self.repetition_penalty
+        return message
 
     @classmethod
     def from_proto(cls, message: pb.SamplingParams) -> SamplingParams:
@@ -46,7 +80,21 @@ class SamplingParams:
             top_p=message.top_p,
             min_p=message.min_p,
             seed=message.seed if message.HasField("seed") else None,
+            presence_penalty=message.presence_penalty,
+            frequency_penalty=message.frequency_penalty,
+            repetition_penalty=message.repetition_penalty if message.HasField("repetition_penalty") else 1.0,
+            logit_bias=_pairs(list(message.logit_bias_token_ids), list(message.logit_bias_values)),
+            min_tokens=message.min_tokens,
+            stop_ids=tuple(message.stop_ids),
+            num_prompt=message.num_prompt,
         )
+
+
+def _pairs(ids: list[int], values: list[float]) -> tuple[tuple[int, float], ...]:
+    """logit_bias pairs; lists of unequal length are padded (id -1, bias NaN) for validation to refuse."""
+    n = max(len(ids), len(values))
+    ids, values = ids + [-1] * (n - len(ids)), values + [float("nan")] * (n - len(values))
+    return tuple(zip(ids, values, strict=True))
 
 
 @dataclass(frozen=True)

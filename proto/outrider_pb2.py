@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1doutrider/proto/outrider.proto\x12\x0boutrider.v1\"i\n\x06Limits\x12\x11\n\tmax_batch\x18\x01 \x01(\r\x12\x11\n\tmax_nodes\x18\x02 \x01(\r\x12\x11\n\tmax_depth\x18\x03 \x01(\r\x12\x11\n\tmax_top_k\x18\x04 \x01(\r\x12\x13\n\x0bmax_q_width\x18\x05 \x01(\r\"W\n\x0b\x46\x65\x61tureSpec\x12\x11\n\tlayer_ids\x18\x01 \x03(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x11\n\tprojected\x18\x03 \x01(\x08\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\xfe\x01\n\x10HandshakeRequest\x12\x36\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1c.outrider.v1.ProtocolVersion\x12\x17\n\x0ftarget_model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x04\x12\x19\n\x11vocab_fingerprint\x18\x04 \x01(\t\x12\x0e\n\x06method\x18\x05 \x01(\t\x12\x19\n\x11target_num_layers\x18\x06 \x01(\r\x12\x1a\n\x12target_hidden_size\x18\x07 \x01(\r\x12#\n\x06limits\x18\x08 \x01(\x0b\x32\x13.outrider.v1.Limits\"\xbc\x02\n\x11HandshakeResponse\x12\x36\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1c.outrider.v1.ProtocolVersion\x12\x16\n\x0e\x64raft_model_id\x18\x02 \x01(\t\x12\x17\n\x0ftarget_model_id\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x04\x12\x19\n\x11vocab_fingerprint\x18\x05 \x01(\t\x12\x0e\n\x06method\x18\x06 \x01(\t\x12*\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x18.outrider.v1.FeatureSpec\x12#\n\x06limits\x18\x08 \x01(\x0b\x32\x13.outrider.v1.Limits\x12\x19\n\x11projection_sha256\x18\t \x01(\t\x12\x13\n\x0bincarnation\x18\n \x01(\x04\"3\n\x18\x46\x65\x61tureProjectionRequest\x12\x17\n\x0fmax_chunk_bytes\x18\x01 \x01(\r\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"R\n\nTreeBudget\x12\x11\n\tmax_nodes\x18\x01 \x01(\r\x12\x11\n\tmax_depth\x18\x02 \x01(\r\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0f\n\x07q_width\x18\x04 \x01(\r\"\xf5\x01\n\x0eSequenceUpdate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12%\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x13.outrider.v1.Tensor\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.outrider.v1.SamplingParams\x12\'\n\x06\x62udget\x18\x06 \x01(\x0b\x32\x17.outrider.v1.TreeBudget\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12\r\n\x05reset\x18\x08 \x01(\x08\x12\x10\n\x08\x61nswered\x18\t \x01(\x08\"<\n\x0c\x44raftRequest\x12,\n\x07updates\x18\x01 \x03(\x0b\x32\x1b.outrider.v1.SequenceUpdate\"\xc5\x01\n\rCandidateTree\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x0f\n\x07parents\x18\x04 \x03(\x11\x12\x0f\n\x07q_nodes\x18\x05 \x03(\x05\x12\x0f\n\x07q_top_k\x18\x06 \x01(\r\x12\x13\n\x0bq_token_ids\x18\x07 \x03(\x11\x12\x0f\n\x07q_probs\x18\x08 \x03(\x02\x12,\n\x08sampling\x18\t \x01(\x0e\x32\x1a.outrider.v1.DraftSampling\"O\n\x0fSpeculativeTree\x12\x12\n\nnew_tokens\x18\x01 \x03(\x05\x12(\n\x04tree\x18\x02 \x01(\x0b\x32\x1a.outrider.v1.CandidateTree\"m\n\rDraftResponse\x12)\n\x05trees\x18\x01 \x03(\x0b\x32\x1a.outrider.v1.CandidateTree\x12\x31\n\x0bspeculative\x18\x02 \x03(\x0b\x32\x1c.outrider.v1.SpeculativeTree*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*\x9e\x01\n\rDraftSampling\x12\x1e\n\x1a\x44RAFT_SAMPLING_UNSPECIFIED\x10\x00\x12 \n\x1c\x44RAFT_SAMPLING_DETERMINISTIC\x10\x01\x12#\n\x1f\x44RAFT_SAMPLING_WITH_REPLACEMENT\x10\x02\x12&\n\"DRAFT_SAMPLING_WITHOUT_REPLACEMENT\x10\x03\x32\xf1\x01\n\x0c\x44raftService\x12J\n\tHandshake\x12\x1d.outrider.v1.HandshakeRequest\x1a\x1e.outrider.v1.HandshakeResponse\x12\x42\n\x05\x44raft\x12\x19.outrider.v1.DraftRequest\x1a\x1a.outrider.v1.DraftResponse(\x01\x30\x01\x12Q\n\x11\x46\x65\x61tureProjection\x12%.outrider.v1.FeatureProjectionRequest\x1a\x13.outrider.v1.Tensor0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1doutrider/proto/outrider.proto\x12\x0boutrider.v1\"i\n\x06Limits\x12\x11\n\tmax_batch\x18\x01 \x01(\r\x12\x11\n\tmax_nodes\x18\x02 \x01(\r\x12\x11\n\tmax_depth\x18\x03 \x01(\r\x12\x11\n\tmax_top_k\x18\x04 \x01(\r\x12\x13\n\x0bmax_q_width\x18\x05 \x01(\r\"W\n\x0b\x46\x65\x61tureSpec\x12\x11\n\tlayer_ids\x18\x01 \x03(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x11\n\tprojected\x18\x03 \x01(\x08\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\xfe\x01\n\x10HandshakeRequest\x12\x36\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1c.outrider.v1.ProtocolVersion\x12\x17\n\x0ftarget_model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x04\x12\x19\n\x11vocab_fingerprint\x18\x04 \x01(\t\x12\x0e\n\x06method\x18\x05 \x01(\t\x12\x19\n\x11target_num_layers\x18\x06 \x01(\r\x12\x1a\n\x12target_hidden_size\x18\x07 \x01(\r\x12#\n\x06limits\x18\x08 \x01(\x0b\x32\x13.outrider.v1.Limits\"\xbc\x02\n\x11HandshakeResponse\x12\x36\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1c.outrider.v1.ProtocolVersion\x12\x16\n\x0e\x64raft_model_id\x18\x02 \x01(\t\x12\x17\n\x0ftarget_model_id\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x04\x12\x19\n\x11vocab_fingerprint\x18\x05 \x01(\t\x12\x0e\n\x06method\x18\x06 \x01(\t\x12*\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x18.outrider.v1.FeatureSpec\x12#\n\x06limits\x18\x08 \x01(\x0b\x32\x13.outrider.v1.Limits\x12\x19\n\x11projection_sha256\x18\t \x01(\t\x12\x13\n\x0bincarnation\x18\n \x01(\x04\"3\n\x18\x46\x65\x61tureProjectionRequest\x12\x17\n\x0fmax_chunk_bytes\x18\x01 \x01(\r\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xce\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x1c\n\x14logit_bias_token_ids\x18\t \x03(\x05\x12\x19\n\x11logit_bias_values\x18\n \x03(\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x10\n\x08stop_ids\x18\x0c \x03(\x05\x12\x12\n\nnum_prompt\x18\r \x01(\rB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"R\n\nTreeBudget\x12\x11\n\tmax_nodes\x18\x01 \x01(\r\x12\x11\n\tmax_depth\x18\x02 \x01(\r\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0f\n\x07q_width\x18\x04 \x01(\r\"\xf5\x01\n\x0eSequenceUpdate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12%\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x13.outrider.v1.Tensor\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.outrider.v1.SamplingParams\x12\'\n\x06\x62udget\x18\x06 \x01(\x0b\x32\x17.outrider.v1.TreeBudget\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12\r\n\x05reset\x18\x08 \x01(\x08\x12\x10\n\x08\x61nswered\x18\t \x01(\x08\"<\n\x0c\x44raftRequest\x12,\n\x07updates\x18\x01 \x03(\x0b\x32\x1b.outrider.v1.SequenceUpdate\"\xc5\x01\n\rCandidateTree\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x0f\n\x07parents\x18\x04 \x03(\x11\x12\x0f\n\x07q_nodes\x18\x05 \x03(\x05\x12\x0f\n\x07q_top_k\x18\x06 \x01(\r\x12\x13\n\x0bq_token_ids\x18\x07 \x03(\x11\x12\x0f\n\x07q_probs\x18\x08 \x03(\x02\x12,\n\x08sampling\x18\t \x01(\x0e\x32\x1a.outrider.v1.DraftSampling\"O\n\x0fSpeculativeTree\x12\x12\n\nnew_tokens\x18\x01 \x03(\x05\x12(\n\x04tree\x18\x02 \x01(\x0b\x32\x1a.outrider.v1.CandidateTree\"m\n\rDraftResponse\x12)\n\x05trees\x18\x01 \x03(\x0b\x32\x1a.outrider.v1.CandidateTree\x12\x31\n\x0bspeculative\x18\x02 \x03(\x0b\x32\x1c.outrider.v1.SpeculativeTree*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*\x9e\x01\n\rDraftSampling\x12\x1e\n\x1a\x44RAFT_SAMPLING_UNSPECIFIED\x10\x00\x12 \n\x1c\x44RAFT_SAMPLING_DETERMINISTIC\x10\x01\x12#\n\x1f\x44RAFT_SAMPLING_WITH_REPLACEMENT\x10\x02\x12&\n\"DRAFT_SAMPLING_WITHOUT_REPLACEMENT\x10\x03\x32\xf1\x01\n\x0c\x44raftService\x12J\n\tHandshake\x12\x1d.outrider.v1.HandshakeRequest\x1a\x1e.outrider.v1.HandshakeResponse\x12\x42\n\x05\x44raft\x12\x19.outrider.v1.DraftRequest\x1a\x1a.outrider.v1.DraftResponse(\x01\x30\x01\x12Q\n\x11\x46\x65\x61tureProjection\x12%.outrider.v1.FeatureProjectionRequest\x1a\x13.outrider.v1.Tensor0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'outrider.proto.outrider_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=1823
-  _globals['_PROTOCOLVERSION']._serialized_end=1898
-  _globals['_DRAFTSAMPLING']._serialized_start=1901
-  _globals['_DRAFTSAMPLING']._serialized_end=2059
+  _globals['_PROTOCOLVERSION']._serialized_start=2048
+  _globals['_PROTOCOLVERSION']._serialized_end=2123
+  _globals['_DRAFTSAMPLING']._serialized_start=2126
+  _globals['_DRAFTSAMPLING']._serialized_end=2284
   _globals['_LIMITS']._serialized_start=46
   _globals['_LIMITS']._serialized_end=151
   _globals['_FEATURESPEC']._serialized_start=153
@@ -47,20 +47,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FEATUREPROJECTIONREQUEST']._serialized_end=869
   _globals['_TENSOR']._serialized_start=871
   _globals['_TENSOR']._serialized_end=923
-  _globals['_SAMPLINGPARAMS']._serialized_start=925
-  _globals['_SAMPLINGPARAMS']._serialized_end=1035
-  _globals['_TREEBUDGET']._serialized_start=1037
-  _globals['_TREEBUDGET']._serialized_end=1119
-  _globals['_SEQUENCEUPDATE']._serialized_start=1122
-  _globals['_SEQUENCEUPDATE']._serialized_end=1367
-  _globals['_DRAFTREQUEST']._serialized_start=1369
-  _globals['_DRAFTREQUEST']._serialized_end=1429
-  _globals['_CANDIDATETREE']._serialized_start=1432
-  _globals['_CANDIDATETREE']._serialized_end=1629
-  _globals['_SPECULATIVETREE']._serialized_start=1631
-  _globals['_SPECULATIVETREE']._serialized_end=1710
-  _globals['_DRAFTRESPONSE']._serialized_start=1712
-  _globals['_DRAFTRESPONSE']._serialized_end=1821
-  _globals['_DRAFTSERVICE']._serialized_start=2062
-  _globals['_DRAFTSERVICE']._serialized_end=2303
+  _globals['_SAMPLINGPARAMS']._serialized_start=926
+  _globals['_SAMPLINGPARAMS']._serialized_end=1260
+  _globals['_TREEBUDGET']._serialized_start=1262
+  _globals['_TREEBUDGET']._serialized_end=1344
+  _globals['_SEQUENCEUPDATE']._serialized_start=1347
+  _globals['_SEQUENCEUPDATE']._serialized_end=1592
+  _globals['_DRAFTREQUEST']._serialized_start=1594
+  _globals['_DRAFTREQUEST']._serialized_end=1654
+  _globals['_CANDIDATETREE']._serialized_start=1657
+  _globals['_CANDIDATETREE']._serialized_end=1854
+  _globals['_SPECULATIVETREE']._serialized_start=1856
+  _globals['_SPECULATIVETREE']._serialized_end=1935
+  _globals['_DRAFTRESPONSE']._serialized_start=1937
+  _globals['_DRAFTRESPONSE']._serialized_end=2046
+  _globals['_DRAFTSERVICE']._serialized_start=2287
+  _globals['_DRAFTSERVICE']._serialized_end=2528
 # @@protoc_insertion_point(module_scope)

@@ -64,7 +64,12 @@ def _update_problem(update: SequenceUpdate, vocab_size: int, limits: Limits, spe
     if bool(out_of_vocab.any()):
         index = int(out_of_vocab.nonzero()[0, 0])
         return f"new_tokens[{index}] = {int(tokens[index])} is outside the vocabulary [0, {vocab_size})"
-    return _budget_problem(update, limits) or _sampling_problem(update) or _feature_problem(update, spec)
+    return (
+        _budget_problem(update, limits)
+        or _sampling_problem(update)
+        or _processor_problem(update, vocab_size)
+        or _feature_problem(update, spec)
+    )
 
 
 def _budget_problem(update: SequenceUpdate, limits: Limits) -> str | None:
@@ -94,6 +99,25 @@ def _sampling_problem(update: SequenceUpdate) -> str | None:
         return f"sampling.min_p = {sampling.min_p} must be in [0, 1] (0 disables it)"
     if sampling.seed is not None and not 0 <= sampling.seed < 2**64:
         return f"sampling.seed = {sampling.seed} must fit in 64 unsigned bits"
+    return None
+
+
+def _processor_problem(update: SequenceUpdate, vocab_size: int) -> str | None:
+    """Penalties finite (repetition > 0), logit_bias and stop ids in the vocabulary."""
+    sampling = update.sampling
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(sampling, name)):
+            return f"sampling.{name} = {getattr(sampling, name)} must be finite"
+    if not (math.isfinite(sampling.repetition_penalty) and sampling.repetition_penalty > 0):
+        return f"sampling.repetition_penalty = {sampling.repetition_penalty} must be finite and > 0"
+    for token, bias in sampling.logit_bias:
+        if not (0 <= token < vocab_size and math.isfinite(bias)):
+            return (
+                f"sampling.logit_bias entry ({token}, {bias}): the token must be in [0, {vocab_size}) and "
+                "the bias finite (logit_bias_token_ids and logit_bias_values pair up one to one)"
+            )
+    if not all(0 <= t < vocab_size for t in sampling.stop_ids):
+        return f"sampling.stop_ids must be in the vocabulary [0, {vocab_size})"
     return None
 
 

@@ -53,6 +53,37 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+# A bounded string's characters: no control character (JSON forbids them raw), no quote or
+# backslash (so no escape sequence either: a subset of the schema's strings, all valid JSON).
+_BOUNDED_CHARS = '[^\\x00-\\x1f"\\\\]'
+
+
+def plain_bounded_strings(schema_source: str) -> str:
+    """The schema with each string bounded by minLength/maxLength (and no pattern or format)
+    given the equivalent `pattern` over plain characters.
+
+    xgrammar 0.2.9 builds length-bounded strings from a rule that admits raw control
+    characters, which JSON forbids: a tiny model sampled `"name": ") =: 0)) if\x12"` under
+    maxLength 12 and json.loads refused it (its unbounded strings, and pattern strings, are
+    right). Upstream: mlc-ai/xgrammar issues 286 and 636."""
+    schema = json.loads(schema_source)
+
+    def visit(node):
+        if isinstance(node, list):
+            return [visit(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        node = {key: visit(value) for key, value in node.items()}
+        kinds = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
+        bounded = "minLength" in node or "maxLength" in node
+        if kinds == ["string"] and bounded and "pattern" not in node and "format" not in node:
+            low, high = int(node.pop("minLength", 0)), node.pop("maxLength", None)
+            node["pattern"] = f"^{_BOUNDED_CHARS}{{{low},{'' if high is None else int(high)}}}$"
+        return node
+
+    return json.dumps(visit(schema))
+
+
 class GrammarBackend:
     """Compiles grammars for one tokenizer (cached) and makes matchers for sequences.
 
@@ -85,7 +116,9 @@ class GrammarBackend:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
         if spec.kind == "json_schema":
-            grammar = self.compiler.compile_json_schema(spec.source, any_whitespace=False)
+            grammar = self.compiler.compile_json_schema(
+                plain_bounded_strings(spec.source), any_whitespace=False
+            )
         elif spec.kind == "json_object":
             grammar = self.compiler.compile_builtin_json_grammar()
         elif spec.kind == "regex":

@@ -23,6 +23,9 @@ Sequences without any of them (`RequestParams.processes_logits` false) cost noth
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 import torch
 
 from outrider.target_worker.round_plan import RoundPlan
@@ -84,13 +87,39 @@ def mask_and_bias(seq: Sequence, rows: torch.Tensor, tokens: list[int], parents:
         for i in range(1, len(parents)):
             depth[i] = depth[parents[i]] + 1
         short = torch.tensor([d + len(seq.output_ids) < params.min_tokens for d in depth], device=device)
-        stop = torch.tensor(sorted(t for t in seq.stop_ids if t < vocab), dtype=torch.int64, device=device)
-        rows[short[:, None] & torch.isin(torch.arange(vocab, device=device), stop)] = -torch.inf
-    if params.logit_bias:
-        ids = torch.tensor([t for t, _ in params.logit_bias], device=device)
-        bias = torch.tensor([b for _, b in params.logit_bias], device=device)
-        rows[:, ids] += bias
+        rows = mask_stops(rows, short, seq.stop_ids)
+    return add_logit_bias(rows, params.logit_bias)
+
+
+def mask_stops(
+    rows: torch.Tensor,  # [n, vocab] float32
+    short: torch.Tensor,  # [n] bool; rows whose output (committed + path) is under min_tokens
+    stop_ids: Iterable[int],  # EOS and stop_token_ids
+) -> torch.Tensor:
+    """min_tokens: the stop ids get -inf in the rows that are still short."""
+    vocab, device = rows.shape[-1], rows.device
+    stop = torch.tensor(sorted(t for t in stop_ids if t < vocab), dtype=torch.int64, device=device)
+    rows[short[:, None] & torch.isin(torch.arange(vocab, device=device), stop)] = -torch.inf
     return rows
+
+
+def add_logit_bias(rows: torch.Tensor, logit_bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """[n, vocab] float32 rows + each (token id, bias) of logit_bias, in place."""
+    if logit_bias:
+        ids = torch.tensor([t for t, _ in logit_bias], device=rows.device)
+        rows[:, ids] += torch.tensor([b for _, b in logit_bias], device=rows.device)
+    return rows
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """One sequence's penalties and the committed tokens they count (vLLM's semantics)."""
+
+    repetition: float  # 1 = off; every token of prompt + output
+    frequency: float  # 0 = off; per occurrence in the output
+    presence: float  # 0 = off; once if in the output
+    output_ids: list[int]  # committed output tokens (the root included once decoding)
+    prompt_ids: list[int]  # read only when repetition != 1
 
 
 def penalize(
@@ -100,43 +129,75 @@ def penalize(
 ) -> torch.Tensor:  # [N, vocab]
     """Repetition, frequency and presence penalties, each node's counts = the committed output's
     + the draft tokens on its path (and the prompt's tokens, for repetition)."""
-    device, vocab = rows.device, rows.shape[-1]
-    slot, per_row = [], []  # per row: its sequence, its (repetition, frequency, presence)
-    out_slot, out_ids, prompt_slot, prompt_ids, path_row, path_token = [], [], [], [], [], []
-    for s, (seq, (tokens, parents)) in enumerate(zip(seqs, trees, strict=True)):
-        p, first = seq.params, len(slot)
+    slot, path_row, path_token = [], [], []  # per row: its sequence; per (row, path token): both
+    for s, (tokens, parents) in enumerate(trees):
+        first = len(slot)
         slot += [s] * len(tokens)
-        per_row += [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty)] * len(tokens)
-        out_slot += [s] * len(seq.output_ids)
-        out_ids += seq.output_ids
-        if p.repetition_penalty != 1.0:
-            prompt_slot += [s] * seq.num_prompt
-            prompt_ids += seq.tokens[: seq.num_prompt]
         for i in range(1, len(tokens)):  # node i's draft tokens: itself and its ancestors but the root
             j = i
             while j > 0:
                 path_row.append(first + i)
                 path_token.append(tokens[j])
                 j = parents[j]
+    penalties = [
+        Penalties(
+            seq.params.repetition_penalty,
+            seq.params.frequency_penalty,
+            seq.params.presence_penalty,
+            seq.output_ids,
+            seq.tokens[: seq.num_prompt] if seq.params.repetition_penalty != 1.0 else [],
+        )
+        for seq in seqs
+    ]
+    return penalize_paths(rows, penalties, slot, path_row, path_token)
+
+
+def committed_counts(
+    penalties: list[Penalties], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([S, vocab] float32 output counts, [S, vocab] bool prompt tokens or None if no sequence
+    has a repetition penalty): what every row of a sequence starts from."""
 
     def index(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    counts = torch.zeros(len(seqs), vocab, device=device)  # [S, vocab] committed output counts
+    out_slot = [s for s, p in enumerate(penalties) for _ in p.output_ids]
+    out_ids = [t for p in penalties for t in p.output_ids]
+    counts = torch.zeros(len(penalties), vocab, device=device)
     counts.index_put_(
         (index(out_slot), index(out_ids)), torch.ones(len(out_ids), device=device), accumulate=True
     )
-    counts = counts[index(slot)]  # [N, vocab]
-    counts.index_put_(
-        (index(path_row), index(path_token)), torch.ones(len(path_row), device=device), accumulate=True
-    )
+    prompt_slot = [s for s, p in enumerate(penalties) for _ in p.prompt_ids]
+    if not prompt_slot:
+        return counts, None
+    in_prompt = torch.zeros(len(penalties), vocab, dtype=torch.bool, device=device)
+    in_prompt[index(prompt_slot), index([t for p in penalties for t in p.prompt_ids])] = True
+    return counts, in_prompt
+
+
+def penalize_paths(
+    rows: torch.Tensor,  # [N, vocab] float32
+    penalties: list[Penalties],  # [S]
+    row_seq: list[int] | torch.Tensor,  # [N]; each row's sequence (index into `penalties`)
+    path_row: list[int] | torch.Tensor,  # [P]; one entry per (row, draft token on the row's path)
+    path_token: list[int] | torch.Tensor,  # [P]
+    committed: tuple[torch.Tensor, torch.Tensor | None] | None = None,  # `committed_counts`, if kept
+) -> torch.Tensor:  # [N, vocab]
+    """The penalties of rows whose counts are their sequence's committed output + their path's
+    tokens: two scatter-adds for the whole batch (the target's tree nodes, a drafter's frontier)."""
+    device = rows.device
+    counts, in_prompt = committed or committed_counts(penalties, rows.shape[-1], device)
+    slot = torch.as_tensor(row_seq, dtype=torch.int64).to(device)
+    counts = counts[slot]  # [N, vocab]
+    path_row = torch.as_tensor(path_row, dtype=torch.int64).to(device)
+    path_token = torch.as_tensor(path_token, dtype=torch.int64).to(device)
+    counts.index_put_((path_row, path_token), torch.ones(path_row.shape[0], device=device), accumulate=True)
     in_output = counts > 0
-    seen = in_output
-    if prompt_ids:
-        in_prompt = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
-        in_prompt[index(prompt_slot), index(prompt_ids)] = True
-        seen = seen | in_prompt[index(slot)]
-    r, f, s = torch.tensor(per_row, dtype=torch.float32, device=device).unbind(1)  # [N] each
+    seen = in_output if in_prompt is None else in_output | in_prompt[slot]
+    per_seq = torch.tensor(
+        [(p.repetition, p.frequency, p.presence) for p in penalties], dtype=torch.float32, device=device
+    )
+    r, f, s = per_seq[slot].unbind(1)  # [N] each
     rows = torch.where(seen, torch.where(rows > 0, rows / r[:, None], rows * r[:, None]), rows)
     return rows - f[:, None] * counts - s[:, None] * in_output.float()
 

@@ -83,13 +83,15 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[Toke
     if not tokens:
         return []
     logp = torch.log_softmax(rows[: len(tokens)].float(), dim=-1)
-    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(1).tolist()
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])  # [n, 1]
+    ranks = ((logp > chosen).sum(-1) + 1).tolist()
+    chosen = chosen.squeeze(1).tolist()
     if top:
         values, ids = logp.topk(top, dim=-1)
         tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
     else:
         tops = [()] * len(tokens)
-    return [TokenLogprob(t, lp, tp) for t, lp, tp in zip(tokens, chosen, tops, strict=True)]
+    return [TokenLogprob(*entry) for entry in zip(tokens, chosen, tops, ranks, strict=True)]
 
 
 def stop_ids_for(seq_params, eos_token_ids: frozenset[int]) -> frozenset[int]:

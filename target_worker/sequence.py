@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -52,6 +52,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), likeliest first
+    rank: int | None = None  # 1 + how many tokens are likelier (vLLM's Logprob.rank)
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,20 @@ class RequestParams:
 
     @property
     def sampling(self) -> SamplingParams:
-        """What the drafter is told, so its q goes through the same processing as p."""
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
+        """What the drafter is told, so its q goes through the same processing as p (the
+        sequence adds its prompt length and stop ids: `Sequence.draft_sampling`)."""
+        return SamplingParams(
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens,
+        )
 
 
 @dataclass
@@ -145,7 +158,9 @@ class Sequence:
     tokens: list[int]  # prompt + output; the last one is the root once decoding
     num_prompt: int
     generator: torch.Generator | None  # per-request stream for verification's random numbers
-    draft_sampling: SamplingParams  # what the drafter is told: a seed derived apart from the verifier's
+    # The request's SamplingParams with a seed derived apart from the verifier's; the drafter is
+    # told `draft_sampling`, which adds what the sequence knows (prompt length, stop ids).
+    draft_params: SamplingParams
     blocks: list[int] | None = None  # the KV block table (`BlockManager.tables`); None until admitted
     max_slots: int = 0  # the most KV slots it may ever use (max_model_len or the whole cache)
     num_cached: int = 0  # tokens whose K/V is in the cache
@@ -172,6 +187,15 @@ class Sequence:
         """Its root's context is not all cached yet: a new prompt, or a sequence preempted
         (its blocks taken back) and being recomputed. Prompt chunks until it reaches its root."""
         return not self.decoding or self.num_cached < len(self.tokens) - 1
+
+    @property
+    def draft_sampling(self) -> SamplingParams:
+        """What the drafter is told: `draft_params`, and when the drafter can process q as p is
+        (penalties, logit_bias, min_tokens), where the output starts and the stop ids."""
+        if not self.draft_params.processes_logits and not self.params.min_tokens:
+            return self.draft_params
+        stop_ids = tuple(sorted(self.stop_ids)) if self.params.min_tokens else ()
+        return replace(self.draft_params, num_prompt=self.num_prompt, stop_ids=stop_ids)
 
     @property
     def output_ids(self) -> list[int]:

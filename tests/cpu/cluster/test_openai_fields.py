@@ -8,9 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from outrider.cluster.openai_api import ChatCompletionRequest, CompletionRequest, validation_error
-from outrider.cluster.openai_fields import DEFAULT_ONLY, NO_EFFECT
+from outrider.cluster.openai_fields import DEFAULT_ONLY, NO_EFFECT, echoed, vllm_prompt_logprobs
 from outrider.cluster.served_model import eos_token_ids
-from outrider.target_worker.sequence import GrammarSpec, RequestParams
+from outrider.target_worker.sequence import GrammarSpec, RequestParams, TokenLogprob
 
 COMPLETION = {"model": "m", "prompt": "x"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -103,6 +103,38 @@ def test_chat_logprobs():
     assert req.request_params(4, 0).logprobs == 5
     assert refusal(ChatCompletionRequest, CHAT | {"top_logprobs": 5})[0] == "top_logprobs"
     assert refusal(ChatCompletionRequest, CHAT | {"logprobs": True, "top_logprobs": 21})[0] == "top_logprobs"
+
+
+def test_prompt_logprobs_as_vllm_and_shared_with_echo():
+    def params(**body):
+        return CompletionRequest.model_validate(COMPLETION | body).request_params(4, 0).prompt_logprobs
+
+    assert params() is None and params(echo=True) is None and params(logprobs=3) is None
+    assert params(echo=True, logprobs=3) == 3 and params(prompt_logprobs=0) == 0
+    assert params(echo=True, logprobs=1, prompt_logprobs=4) == 4  # one gathering, the wider top
+    assert (
+        refusal(CompletionRequest, COMPLETION | {"prompt_logprobs": 2, "stream": True})[0]
+        == "prompt_logprobs"
+    )
+    chat = ChatCompletionRequest.model_validate(CHAT | {"prompt_logprobs": 2})
+    assert chat.request_params(4, 0).prompt_logprobs == 2
+    assert (
+        refusal(ChatCompletionRequest, CHAT | {"prompt_logprobs": 2, "stream": True})[0] == "prompt_logprobs"
+    )
+    # Gathered with top 3 for echo; prompt_logprobs 1 shows the token itself and the likeliest.
+    entries = (
+        TokenLogprob(5, -0.5, ((5, -0.5), (6, -1.0), (7, -2.0)), rank=1),
+        TokenLogprob(9, -3.0, ((6, -0.2), (7, -1.9), (8, -2.5)), rank=4),
+    )
+    assert vllm_prompt_logprobs(list(entries), lambda t: f"<{t}>", 1) == [
+        None,
+        {"5": {"logprob": -0.5, "rank": 1, "decoded_token": "<5>"}},
+        {
+            "6": {"logprob": -0.2, "rank": 1, "decoded_token": "<6>"},
+            "9": {"logprob": -3.0, "rank": 4, "decoded_token": "<9>"},
+        },
+    ]
+    assert echoed(entries, None) == () and [e.top for e in echoed(entries, 2)][1] == ((6, -0.2), (7, -1.9))
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

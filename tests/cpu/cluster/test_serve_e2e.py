@@ -315,7 +315,8 @@ def test_stop_token_ids_min_tokens_and_logit_bias_reach_the_engine(base_url):
             {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
             "response_format",
         ),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM: not with stream
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ],
 )
 def test_unimplemented_or_bad_fields_are_refused_not_ignored(base_url, body, param):
@@ -330,3 +331,35 @@ def test_unimplemented_or_bad_fields_are_refused_not_ignored(base_url, body, par
         ]
         == 200
     )
+
+
+def test_prompt_logprobs_as_vllm(base_url, tokenizer):
+    """vLLM's `prompt_logprobs`: per choice, None for the first prompt token, then the token's own
+    {logprob, rank, decoded_token} and the top N; equal with speculation on and off and to echo's."""
+    spec, off = client(base_url, "spec"), client(base_url, "off")
+    ids = tokenizer.encode(PROMPTS[2], add_special_tokens=False)
+    kwargs = dict(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
+    a, b = (c.completions.create(**kwargs, extra_body={"prompt_logprobs": 2}).choices[0] for c in (spec, off))
+    pa, pb = a.to_dict()["prompt_logprobs"], b.to_dict()["prompt_logprobs"]
+    assert len(pa) == len(ids) and pa[0] is None and pb[0] is None
+    echo = spec.completions.create(**kwargs, logprobs=1, echo=True).choices[0].logprobs.token_logprobs
+    for i in range(1, len(ids)):
+        own = pa[i][str(ids[i])]
+        assert own["decoded_token"] == tokenizer.decode([ids[i]]) and abs(own["logprob"] - echo[i]) < 1e-5
+        ranked = sorted(pa[i].values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked[:2]] == [1, 2] and ranked[0]["logprob"] >= ranked[1]["logprob"]
+        assert own["rank"] <= 2 if len(pa[i]) == 2 else own["rank"] > 2 and len(pa[i]) == 3
+        assert pa[i].keys() == pb[i].keys()
+        assert all(abs(pa[i][k]["logprob"] - pb[i][k]["logprob"]) < 1e-4 for k in pa[i])
+    assert "prompt_logprobs" not in spec.completions.create(**kwargs).choices[0].to_dict()
+    # Chat: at the top of the response (vLLM's place), over the templated prompt.
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, temperature=0)
+    a, b = (c.chat.completions.create(**chat, extra_body={"prompt_logprobs": 1}) for c in (spec, off))
+    pa, pb = a.to_dict()["prompt_logprobs"], b.to_dict()["prompt_logprobs"]
+    assert len(pa) == a.usage.prompt_tokens and pa[0] is None and all(len(e) in (1, 2) for e in pa[1:])
+    assert [e.keys() for e in pa[1:]] == [e.keys() for e in pb[1:]]
+    assert "prompt_logprobs" not in a.choices[0].to_dict()
+    status, error = post(
+        f"{base_url}/spec/v1/chat/completions", chat | {"prompt_logprobs": 1, "stream": True}
+    )
+    assert status == 400 and error["error"]["param"] == "prompt_logprobs", error

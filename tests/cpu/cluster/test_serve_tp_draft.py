@@ -26,8 +26,8 @@ def _plain_greedy(family, prompt: str, max_tokens: int, **params) -> str:
     return _plain(family, prompt, max_tokens, **params)[0]
 
 
-def _plain(family, prompt: str, max_tokens: int, **params) -> tuple[str, list[float]]:
-    """The reference's text and each output token's logprob (`params`: more RequestParams)."""
+def _plain(family, prompt: str, max_tokens: int, **params) -> tuple[str, list]:
+    """The reference's text and each output token's `TokenLogprob` (`params`: more RequestParams)."""
     from outrider.cluster.config import OutriderArgs
     from outrider.cluster.served_model import resolve_model
     from outrider.cluster.text import load_tokenizer
@@ -47,7 +47,7 @@ def _plain(family, prompt: str, max_tokens: int, **params) -> tuple[str, list[fl
     for out in engine.stream():
         assert out.request_id == seq_id
         tokens += out.new_token_ids
-        logprobs += [e.logprob for e in out.logprobs or []]
+        logprobs += out.logprobs or []
     return tokenizer.decode(tokens, skip_special_tokens=True), logprobs
 
 
@@ -72,7 +72,8 @@ def test_tp2_target_with_draft_deployment(base_url, tiny_family):
     body = {"model": MODEL, "prompt": PROMPTS[1] * 2, "max_tokens": 30, "temperature": 0, "logprobs": 2}
     status, answer = post(f"{base_url}/tp/v1/completions", body | processors)
     assert status == 200, answer
-    text, logprobs = _plain(tiny_family, PROMPTS[1] * 2, 30, logprobs=2, **processors)
+    text, entries = _plain(tiny_family, PROMPTS[1] * 2, 30, logprobs=2, **processors)
+    logprobs = [e.logprob for e in entries]
     assert answer["choices"][0]["text"] == text
     got = answer["choices"][0]["logprobs"]["token_logprobs"]
     assert len(got) == len(logprobs) and max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < 1e-4
@@ -87,6 +88,50 @@ def test_tp2_target_with_draft_deployment(base_url, tiny_family):
     from ray import serve
 
     serve.delete("tp")  # frees its three processes for the autoscaling test
+
+
+def test_eagle3_draft_deployment_with_penalties_and_logprobs(base_url, tiny_family, tokenizer):
+    """eagle3 drafting in its own deployment over gRPC (the penalties cross the wire with each
+    update), through the official `openai` client: greedy text, logprobs and top_logprobs equal
+    plain decoding's to 1e-4, streamed and not."""
+    openai = pytest.importorskip("openai")
+    deploy(
+        "eagle",
+        {
+            "speculative_config": {"method": "eagle3", "num_speculative_tokens": 4, "tree_top_k": 2},
+            "draft_pool": {"mode": "deployment", "num_cpus": 0, "round_deadline_ms": 2000},
+        },
+        tiny_family,
+    )
+    client = openai.OpenAI(base_url=f"{base_url}/eagle/v1", api_key="unused", max_retries=0)
+    penalties = {"frequency_penalty": 0.6, "presence_penalty": 0.4}
+    kwargs = dict(model=MODEL, prompt=PROMPTS[0] * 2, max_tokens=30, temperature=0, logprobs=3, **penalties)
+    text, entries = _plain(tiny_family, PROMPTS[0] * 2, 30, logprobs=3, repetition_penalty=1.2, **penalties)
+    whole = client.completions.create(**kwargs, extra_body={"repetition_penalty": 1.2}).choices[0]
+    streamed = [
+        chunk.choices[0]
+        for chunk in client.completions.create(**kwargs, extra_body={"repetition_penalty": 1.2}, stream=True)
+        if chunk.choices
+    ]
+    assert whole.text == "".join(c.text for c in streamed) == text
+    for scores, tops in (
+        (whole.logprobs.token_logprobs, whole.logprobs.top_logprobs),
+        (
+            [x for c in streamed for x in c.logprobs.token_logprobs],
+            [x for c in streamed for x in c.logprobs.top_logprobs],
+        ),
+    ):
+        assert len(scores) == len(entries) > 0
+        assert max(abs(a - e.logprob) for a, e in zip(scores, entries, strict=True)) < 1e-4
+        for top, e in zip(tops, entries, strict=True):
+            want = {tokenizer.decode([t]): lp for t, lp in e.top}
+            assert top.keys() == want.keys() and all(abs(top[k] - want[k]) < 1e-4 for k in top)
+    page = get(f"{base_url}/eagle/metrics")[1]
+    assert metric(page, "outrider:spec_decode_num_accepted_tokens_total") > 0
+    assert metric(page, "outrider:draft_round_trips_total") > 0
+    from ray import serve
+
+    serve.delete("eagle")
 
 
 def _running(app: str) -> int:

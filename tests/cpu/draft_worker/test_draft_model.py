@@ -29,6 +29,10 @@ def draft_dir(tiny_family):
 
 @pytest.fixture(scope="module")
 def reference(draft_dir):
+    return plain_forward(draft_dir)
+
+
+def plain_forward(draft_dir):
     """next_logits(tokens) -> [vocab]: a plain prefill of the draft LM over `tokens`."""
     runner = ModelRunner.from_pretrained(draft_dir, max_model_len=256, kv_cache_rows=256)
     start = runner.cache.allocate(0, 256)

@@ -18,7 +18,7 @@ import outrider.draft_worker.draft_model  # noqa: F401 - registers `draft_model`
 from outrider.draft_worker import build_proposer
 from outrider.target_worker.draft_source import InProcessDraftSource
 from outrider.target_worker.engine import Engine
-from outrider.target_worker.grammar import GrammarBackend
+from outrider.target_worker.grammar import GrammarBackend, plain_bounded_strings
 from outrider.target_worker.logits_processors import grammar_allowed
 from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import GrammarSpec, RequestParams
@@ -118,3 +118,17 @@ def test_tree_rows_follow_each_path_and_rejected_drafts(grammars, tokenizer):
         assert allowed[2].nonzero().flatten().tolist() == [0]
     # Rolled back: the matcher still accepts either word from the start.
     assert torch.equal(grammar_allowed(matcher, tokens[:1], [-1], vocab)[0], allowed[0])
+
+
+def test_bounded_strings_admit_no_control_character(grammars, tokenizer):
+    """xgrammar 0.2.9 lets raw control characters into maxLength strings (invalid JSON: the tiny
+    model sampled one in 1 of 160 outputs); `plain_bounded_strings` rewrites them as patterns."""
+    control = [t for t in range(tokenizer.vocab_size) if any(ord(c) < 32 for c in tokenizer.decode([t]))]
+    matcher = grammars.matcher(JSON_SCHEMA)
+    for token in tokenizer.encode('{"name": "', add_special_tokens=False):
+        assert matcher.accept_token(token)
+    allowed = grammar_allowed(matcher, [0], [-1], grammars.vocab_size)[0]
+    assert control and not allowed[control].any()
+    assert allowed.sum() > 1000  # plain characters are still allowed
+    source = json.loads(plain_bounded_strings(json.dumps(SCHEMA)))["properties"]["name"]
+    assert source == {"type": "string", "pattern": '^[^\\x00-\\x1f"\\\\]{0,8}$'}
