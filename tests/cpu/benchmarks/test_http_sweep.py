@@ -1,0 +1,33 @@
+"""The HTTP sweep's bookkeeping (the sweep itself needs a served family: run it by hand)."""
+
+from outrider.benchmarks.bench_http_sweep import configurations, speculative_config, summary
+
+
+def test_every_method_placement_and_budget_is_a_configuration():
+    configs = configurations(["ngram", "draft_model"], ["colocated", "disaggregated"], [1, 4])
+    assert len(configs) == 2 * 2 * 3 and ("draft_model", "disaggregated", "K4") in configs
+    assert speculative_config("ngram", "adaptive", [1, 4]) == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,  # the ceiling: the largest fixed K compared
+        "budget_policy": "adaptive",
+    }
+    assert speculative_config("ngram", "K1", [1, 4])["budget_policy"] == "fixed"
+
+
+def test_the_summary_puts_adaptive_beside_the_best_fixed_k_at_each_point():
+    def row(budget, speedup, concurrency=1):
+        return {
+            "method": "ngram",
+            "placement": "colocated",
+            "budget": budget,
+            "temperature": 0.0,
+            "concurrency": concurrency,
+            "speedup_vs_off": speedup,
+        }
+
+    off = {"method": "off", "placement": "—", "budget": "—", "temperature": 0.0, "concurrency": 1}
+    rows = [off, row("adaptive", 1.5), row("K1", 1.2), row("K4", 1.6), row("K4", 0.9, concurrency=4)]
+    by_level = {r["concurrency"]: r for r in summary(rows)}
+    assert by_level[1]["best_fixed"] == "K4" and by_level[1]["best_fixed_vs_off"] == 1.6
+    assert abs(by_level[1]["adaptive_vs_best_fixed"] - 1.5 / 1.6) < 1e-9
+    assert by_level[4]["adaptive_vs_off"] is None and by_level[4]["adaptive_vs_best_fixed"] is None
