@@ -28,7 +28,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from outrider.benchmarks.bench_serving import _free_port, app_args
+from outrider.benchmarks.bench_serving import app_args, start_local_ray
 from outrider.benchmarks.loadgen import LoadGenerator, percentile
 from outrider.benchmarks.report import add_run_arguments, write_run_report
 
@@ -139,13 +139,7 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
         run_level(base, name, prompts, 2, 2, 0.0, 8)  # warm-up: lazy initialisation, first compiles
         return base
 
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-    )
-    port = _free_port()
+    port = start_local_ray()
     rows: list[dict] = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

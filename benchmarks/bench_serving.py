@@ -48,6 +48,20 @@ def app_args(variant: str, model: dict, spec: dict, max_model_len: int) -> dict:
     return args
 
 
+def start_local_ray() -> int:
+    """A local Ray for benchmark apps (2 CPUs, one torch thread per process); returns a free
+    port for Serve's HTTP proxy."""
+    import ray
+
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+    )
+    return _free_port()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -118,13 +132,7 @@ def bench_serving(
 
     from outrider.cluster.app import build_app
 
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-    )
-    port = _free_port()
+    port = start_local_ray()
     samples: dict[tuple[str, int], list[dict]] = {}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
