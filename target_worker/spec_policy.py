@@ -216,7 +216,8 @@ class SpeculationPolicy:
             for i, value in enumerate(evidence):
                 kept[i] = config.goodput_decay * kept[i] + value
         off = self._goodput[False]
-        # A probe round that measured fewer tokens per second than rounds without drafts.
+        # Whether this round (a probe, while speculation is off) measured at least the committed
+        # tokens per second of rounds without drafts (true until those are measured).
         probe_paid = off[2] < config.goodput_min_rounds or evidence[0] * off[1] >= off[0] * evidence[1]
         drafted = 0
         for seq_id, budget_depth, depth, accepted, committed in outcomes:
