@@ -147,3 +147,19 @@ def test_a_drafter_that_finds_nothing_is_turned_off():
         policy.observe([(0, depths[0], 0, 0, 1)], 1, cost, depths[0], 3e-4 * bool(depths[0]))
         depths = [b.max_depth for b in policy.budgets([0], [CEILING], 0)]
     assert policy.stats.depth_counts[0] > 30 and depths[0] <= 1
+
+
+def test_measured_goodput_vetoes_drafts_the_cost_model_favours_until_the_evidence_ages():
+    """The solver drafts deep (cheap drafts, kept), but rounds with drafts measured fewer
+    committed tokens per second than rounds without: drafting is vetoed, then retried once
+    that evidence has aged."""
+    policy = SpeculationPolicy(CEILING)
+    assert min(simulate(policy, {0: 0.9, 1: 0.9}, rounds=60).values()) >= 5
+    policy._goodput = {True: [10.0, 1.0, 5.0], False: [10.0, 0.5, 5.0]}  # 10 vs 20 tokens/s
+    vetoed = [b.max_depth for b in policy.budgets([0, 1], [CEILING] * 2, 0)]
+    assert vetoed == [0, 0] and policy.stats.vetoed_rounds == 1
+    for _ in range(400):  # no drafting rounds to refresh it: the evidence fades below the minimum
+        depths = [b.max_depth for b in policy.budgets([0, 1], [CEILING] * 2, 0)]
+        if min(depths) >= 5:
+            break
+    assert min(depths) >= 5 and policy.stats.vetoed_rounds > 20  # 5 rounds x 0.99^n < 3: n = 51
