@@ -24,12 +24,18 @@ batch's expected committed tokens per second is highest:
   estimates stay current when their text turns predictable again;
 - the first rounds cycle the depth 0 .. ceiling, so the cost fits see a spread of tokens and
   depths; a fit keeps its last slope while later rounds stop varying;
-- the model is checked against what rounds measure: the committed tokens per second of the
-  rounds the solver chose to draft in, and of rounds where nobody drafted (decayed). While
+- the model is checked against what rounds measure: the committed tokens of the rounds the
+  solver chose to draft in, and of rounds where nobody drafted, each per *plain-equivalent
+  token* (a round's seconds x its B sequences / verify(B, 0), what plain decoding would
+  have committed in that time: batches that shrink as requests finish, or grow as they
+  arrive, compare fairly), decayed. While
   speculating, an *off probe* round (no drafts anywhere) now and then keeps the second
   current, spaced ever wider while the check agrees; when drafting rounds measure slower,
   speculation is vetoed (the model's extrapolation was wrong: a drafting-only history
-  cannot tell its intercept from its slopes) until that evidence ages out.
+  cannot tell its intercept from its slopes) for `probe_every` rounds, doubling while each
+  retry measures slower again (up to `max_probe_every`); a retry starts its drafting
+  evidence afresh, so a few drafting rounds decide it and old evidence (text that was not
+  yet predictable, say) does not hold speculation off.
 
 `fixed` is vLLM's behaviour: every sequence drafts the ceiling each round.
 """
@@ -62,11 +68,12 @@ class PolicyConfig:
     global_decay: float = 0.995
     cost_decay: float = 0.98  # per-round decay of the cost fits' sums (conditions drift)
     resolve_every: int = 8  # rounds between full solves of the deepest budget and the ratio
+    max_resolve_every: int = 64  # the spacing doubles up to this while solves keep speculation off
+    probe_share: float = 0.01  # while off, probes may cost about this share of the time
     warmup_cycles: int = 2  # rounds 0 .. (ceiling + 1) * cycles - 1 cycle the depth 0 .. ceiling
     probe_chain: int = 32  # kept probes in a row that paid, before spacing them again
     goodput_decay: float = 0.9  # per-round decay of the measured goodput of drafting / off rounds
     goodput_min_rounds: float = 3.0  # decayed rounds of each kind before the check can veto
-    veto_decay: float = 0.99  # per-round ageing of the drafting evidence while vetoed
 
 
 class _Fit:
@@ -145,16 +152,22 @@ class SpeculationPolicy:
         self.draft_cost = _Fit(1, self.config.cost_decay)
         self.deepest_seen = 0  # the drafter may draft less than the ceiling: never plan past it + 1
         self.rounds = 0
-        self._solved: tuple[int, float, int] | None = None  # (deepest budget, ratio, at round)
+        self._solved: tuple[int, float] | None = None  # (deepest budget, ratio) of the last full solve
+        self._solve_interval, self._next_solve = self.config.resolve_every, 0
         self._probe_interval, self._next_probe = self.config.probe_every, 0
-        # Measured goodput: decayed [tokens, seconds, rounds] of rounds the solver drafted in
+        # Measured goodput: decayed [tokens, plain-equivalent tokens, rounds] of rounds the solver drafted in
         # (True) and of rounds nobody drafted (False); the planned round's kind (None: a
         # probe or warm-up round, not evidence of either).
         self._goodput = {True: [0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0]}
         self._off_interval, self._next_off = self.config.probe_every, 0
+        self._veto_interval, self._veto_until = self.config.probe_every, 0
         self._planned: bool | None = None
         self._off_probe = False  # the planned round is an off probe (not to be probed either)
         self._chain = 0  # kept probes in a row since speculation was last on
+        # Probe rounds while off: whether the planned round is one, and what a probe round
+        # costs beyond a round without drafts (plain-equivalent tokens, as `_goodput`; catching
+        # the drafter up included), averaged.
+        self._probing, self._probe_extra = False, 0.0
         self._gain_rows: dict[int, np.ndarray] = {}  # seq_id -> its `_gains` row, while valid
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
         self._predicted: dict[int, float] = {}
@@ -168,11 +181,10 @@ class SpeculationPolicy:
         if not seq_ids:
             return []
         ceiling = [max(0, min(self.ceiling.max_depth, limit.max_depth)) for limit in limits]
-        vetoed = self._vetoed() and not self._due()  # measured goodput says off: no solve needed
-        if vetoed or self._all_off():  # the common case where speculation does not pay
+        vetoed = self._vetoed()
+        if (vetoed and not self._due()) or self._all_off():  # speculation does not pay: no solve
             self._planned, self._off_probe = False, False
-            if vetoed:
-                self._age_drafting_evidence()
+            self.stats.vetoed_rounds += vetoed
             depths = self._probed(seq_ids, [0] * len(seq_ids), ceiling)
             predicted = [
                 1.0 if k == 0 else float(self._gain([s])[0, k]) for s, k in zip(seq_ids, depths, strict=True)
@@ -180,7 +192,7 @@ class SpeculationPolicy:
         else:
             gain = self._gain(seq_ids)
             depths = self._probed(
-                seq_ids, self._checked(self._depths(gain, ceiling, prefill_tokens)), ceiling
+                seq_ids, self._checked(self._depths(gain, ceiling, prefill_tokens), vetoed), ceiling
             )
             predicted = gain[np.arange(len(seq_ids)), depths].tolist()
         out = []
@@ -210,14 +222,22 @@ class SpeculationPolicy:
         """One round's evidence: each verified sequence's draft outcome, and what it cost."""
         self.rounds += 1
         config = self.config
-        evidence = (sum(o[4] for o in outcomes), round_s + draft_wait_s, 1.0)
+        # What plain decoding would have committed in this round's time: B tokens per verify(B).
+        a, b, _ = self.verify_cost.coefficients()
+        plain_s = a + b * len(outcomes)
+        worth = (round_s + draft_wait_s) * len(outcomes) / (plain_s if plain_s > 0 else 1.0)
+        evidence = (sum(o[4] for o in outcomes), worth, 1.0)
         if self._planned is not None and not prefill_tokens:  # prompt chunks would blur the rate
             kept = self._goodput[self._planned]
             for i, value in enumerate(evidence):
                 kept[i] = config.goodput_decay * kept[i] + value
         off = self._goodput[False]
-        # Whether this round (a probe, while speculation is off) measured at least the committed
-        # tokens per second of rounds without drafts (true until those are measured).
+        if self._probing and not prefill_tokens and off[2] > 0:
+            extra = max(0.0, evidence[1] - off[1] / off[2])
+            self._probe_extra = 0.5 * (self._probe_extra + extra) if self._probe_extra else extra
+        self._probing = False
+        # Whether this round (a probe, while speculation is off) measured at least the goodput
+        # of rounds without drafts (true until those are measured).
         probe_paid = off[2] < config.goodput_min_rounds or evidence[0] * off[1] >= off[0] * evidence[1]
         drafted = 0
         for seq_id, budget_depth, depth, accepted, committed in outcomes:
@@ -237,7 +257,7 @@ class SpeculationPolicy:
                 if accepted and self._chain < config.probe_chain and probe_paid:
                     self._chain += 1
                     self._next_probe = min(self._next_probe, self.rounds + 1)
-                    self._solved = (0, self._solved[1], self.rounds - config.resolve_every)
+                    self._next_solve, self._solve_interval = self.rounds, config.resolve_every
                 else:
                     self._chain = 0
             # Asked for a draft and given none (nothing matched): for the policy, as good as a
@@ -262,10 +282,16 @@ class SpeculationPolicy:
         round_s: float,
     ) -> None:
         """`observe`, from the engine's round: what each sequence's draft earned, what it cost."""
-        accepted, output = result.num_accepted.tolist(), result.num_output_tokens.tolist()
+        output = result.num_output_tokens.tolist()
         budgets = [s.budget.max_depth if s.budget is not None else 0 for s in verified]
         outcomes = [
-            (seq.seq_id, budgets[b], tree_depth(tree), accepted[b], output[b])
+            (
+                seq.seq_id,
+                budgets[b],
+                tree_depth(tree) if len(tree.parents) > 1 else 0,
+                output[b] - 1,
+                output[b],
+            )
             for b, (seq, tree) in enumerate(zip(verified, trees, strict=True))
         ]
         tokens = int(plan.trees.cu_num_draft_tokens[-1]) + plan.num_prefill_tokens
@@ -316,7 +342,7 @@ class SpeculationPolicy:
         return self.rounds < (self.ceiling.max_depth + 1) * self.config.warmup_cycles
 
     def _due(self) -> bool:
-        return self._solved is None or self.rounds - self._solved[2] >= self.config.resolve_every
+        return self._solved is None or self.rounds >= self._next_solve
 
     def _all_off(self) -> bool:
         """The last solve gave every sequence depth 0, and the next is not due yet."""
@@ -359,24 +385,40 @@ class SpeculationPolicy:
                 break
         best = int(rate.argmax())
         if due:
-            self._solved = (int(ms[best]), float(lam[best]), self.rounds)
+            # Solves that keep speculation off are spaced ever wider (only probes bring news
+            # then, and a kept probe asks for the next solve at once); any other answer, every
+            # `resolve_every` rounds.
+            still_off = int(ms[best]) == 0 and self._solved is not None and self._solved[0] == 0
+            self._solve_interval = (
+                min(2 * self._solve_interval, self.config.max_resolve_every)
+                if still_off
+                else self.config.resolve_every
+            )
+            self._solved, self._next_solve = (
+                (int(ms[best]), float(lam[best])),
+                self.rounds + self._solve_interval,
+            )
         return choice[best].tolist()
 
     def _vetoed(self) -> bool:
-        """Rounds with drafts measured fewer committed tokens per second than rounds without."""
+        """Whether speculation is vetoed this round (see the module docstring): drafting rounds
+        measured fewer committed tokens per second than rounds without drafts. Called once a round."""
         if not self.config.adaptive or self._warming_up():
             return False
+        if self.rounds < self._veto_until:
+            return True
         on, off = self._goodput[True], self._goodput[False]
-        enough = min(on[2], off[2]) >= self.config.goodput_min_rounds
-        return enough and on[0] * off[1] < off[0] * on[1]
+        if min(on[2], off[2]) < self.config.goodput_min_rounds:
+            return False
+        if on[0] * off[1] >= off[0] * on[1]:  # drafting pays: the next veto starts short
+            self._veto_interval = self.config.probe_every
+            return False
+        self._veto_until = self.rounds + self._veto_interval
+        self._veto_interval = min(2 * self._veto_interval, self.config.max_probe_every)
+        self._goodput[True] = [0.0, 0.0, 0.0]  # the retry after it measures afresh
+        return True
 
-    def _age_drafting_evidence(self) -> None:
-        """While vetoed, the drafting rounds' evidence fades, so the solver's choice is tried again."""
-        for i in range(3):
-            self._goodput[True][i] *= self.config.veto_decay
-        self.stats.vetoed_rounds += 1
-
-    def _checked(self, depths: list[int]) -> list[int]:
+    def _checked(self, depths: list[int], vetoed: bool) -> list[int]:
         """The solver's depths, unless measured goodput says otherwise (see the module docstring):
         all 0 on an off probe, or while drafting rounds measure fewer tokens per second than
         rounds without drafts."""
@@ -386,8 +428,8 @@ class SpeculationPolicy:
         if not any(depths):
             self._planned = False
             return depths
-        if self._vetoed():
-            self._age_drafting_evidence()
+        if vetoed:
+            self.stats.vetoed_rounds += 1
             self._planned = False
             return [0] * len(depths)
         on, off = self._goodput[True], self._goodput[False]
@@ -415,8 +457,18 @@ class SpeculationPolicy:
             self._probe_interval, self._chain = self.config.probe_every, 0
         if self.rounds < self._next_probe or self._off_probe:
             return depths
-        self._planned = None
-        self._next_probe = self.rounds + self._probe_interval
+        probed = [1 if k == 0 and cap > 0 else k for k, cap in zip(depths, ceiling, strict=True)]
+        if probed != depths:  # a probe round is evidence of neither kind
+            self._planned = None
+        gap = self._probe_interval
         if not any(depths):
             self._probe_interval = min(2 * self._probe_interval, self.config.max_probe_every)
-        return [1 if k == 0 and cap > 0 else k for k, cap in zip(depths, ceiling, strict=True)]
+            self._probing = True
+            # No sooner than keeps probes within `probe_share` of the time: a drafter that must
+            # first catch up on a long sequence makes each probe dear.
+            off = self._goodput[False]
+            if off[2] > 0 and off[1] > 0:
+                dear = self._probe_extra / (self.config.probe_share * off[1] / off[2])
+                gap = max(gap, min(int(dear), 4 * self.config.max_probe_every))
+        self._next_probe = self.rounds + gap
+        return probed

@@ -60,7 +60,8 @@ def test_each_sequence_gets_its_own_depth():
 
 
 def test_sequences_turned_off_are_probed_ever_less_often_until_drafts_pay_again():
-    policy = SpeculationPolicy(CEILING, PolicyConfig(probe_every=4, max_probe_every=32))
+    # probe_share 1: probes are never too dear here (the next test spaces dear ones).
+    policy = SpeculationPolicy(CEILING, PolicyConfig(probe_every=4, max_probe_every=32, probe_share=1.0))
 
     def cost(
         depths,
@@ -87,6 +88,31 @@ def test_sequences_turned_off_are_probed_ever_less_often_until_drafts_pay_again(
         tokens, round_s, draft_s = cost(depths)
         policy.observe(outcomes, tokens, round_s, max(depths), draft_s * bool(any(depths)))
     assert min(depths) >= 2
+
+
+def probe_gaps(probe_extra_s: float, rounds: int = 600) -> list[int]:
+    """Rounds between probes of two sequences whose drafts are always lost, when a probe round
+    costs `probe_extra_s` more than a 1 ms round without drafts."""
+    policy = SpeculationPolicy(CEILING, PolicyConfig(probe_every=4, max_probe_every=32, probe_share=0.05))
+    simulate(policy, {7: 0.0, 8: 0.0}, rounds=30, verify=(1e-3, 1e-5, 0.0), draft=(0.0, 0.0))
+    probe_rounds = []
+    for _ in range(rounds):
+        depths = [b.max_depth for b in policy.budgets([7, 8], [CEILING] * 2, 0)]
+        probing = any(depths)
+        if probing:
+            probe_rounds.append(policy.rounds)
+        outcomes = [(s, k, k, 0, 1) for s, k in zip([7, 8], depths, strict=True)]
+        policy.observe(outcomes, 2 + sum(depths), 1e-3 + probe_extra_s * probing, max(depths), 0.0)
+    return [b - a for a, b in zip(probe_rounds, probe_rounds[1:], strict=False)]
+
+
+def test_dear_probes_are_spaced_to_cost_about_their_share_of_the_time():
+    """A probe that costs 5 ms beyond a 1 ms round (a drafter catching up on a long sequence)
+    may come only every ~100 rounds at a 5% share; cheap probes keep the doubling schedule."""
+    cheap, dear = probe_gaps(1e-5), probe_gaps(5e-3)
+    assert max(cheap) == 32 and len(cheap) > 10
+    assert 90 <= min(dear[-3:]) and max(dear) <= 4 * 32  # once probes have measured their cost
+    assert len(dear) <= len(cheap) / 2
 
 
 def test_fixed_drafts_the_ceiling_and_warmup_cycles_the_depths():
@@ -149,17 +175,34 @@ def test_a_drafter_that_finds_nothing_is_turned_off():
     assert policy.stats.depth_counts[0] > 30 and depths[0] <= 1
 
 
-def test_measured_goodput_vetoes_drafts_the_cost_model_favours_until_the_evidence_ages():
+def test_measured_goodput_vetoes_drafts_the_cost_model_favours_then_retries_them_afresh():
     """The solver drafts deep (cheap drafts, kept), but rounds with drafts measured fewer
-    committed tokens per second than rounds without: drafting is vetoed, then retried once
-    that evidence has aged."""
-    policy = SpeculationPolicy(CEILING)
+    committed tokens per plain-equivalent token than rounds without: drafting is vetoed for
+    `probe_every` rounds, then retried on fresh evidence; a retry that measures slower again
+    is vetoed twice as long."""
+    policy = SpeculationPolicy(CEILING, PolicyConfig(probe_every=8))
     assert min(simulate(policy, {0: 0.9, 1: 0.9}, rounds=60).values()) >= 5
-    policy._goodput = {True: [10.0, 1.0, 5.0], False: [10.0, 0.5, 5.0]}  # 10 vs 20 tokens/s
-    vetoed = [b.max_depth for b in policy.budgets([0, 1], [CEILING] * 2, 0)]
-    assert vetoed == [0, 0] and policy.stats.vetoed_rounds == 1
-    for _ in range(400):  # no drafting rounds to refresh it: the evidence fades below the minimum
-        depths = [b.max_depth for b in policy.budgets([0, 1], [CEILING] * 2, 0)]
-        if min(depths) >= 5:
-            break
-    assert min(depths) >= 5 and policy.stats.vetoed_rounds > 20  # 5 rounds x 0.99^n < 3: n = 51
+
+    def run(rounds: int, slow: bool) -> list[int]:
+        """Each round's depths; drafts are kept, and drafting rounds cost 20 ms (slow)
+        or 1 ms + 1 us a token (as rounds without drafts)."""
+        least: list[list[int]] = []
+        for _ in range(rounds):
+            depths = [b.max_depth for b in policy.budgets([0, 1], [CEILING] * 2, 0)]
+            least.append(depths)
+            tokens = 2 + sum(depths)
+            round_s = 2e-2 if slow and any(depths) else 1e-3 + 1e-6 * tokens
+            policy.observe(
+                [(s, k, k, k, k + 1) for s, k in zip([0, 1], depths, strict=True)], tokens, round_s, 0, 0.0
+            )
+        return least
+
+    policy._goodput = {True: [10.0, 20.0, 5.0], False: [10.0, 10.0, 5.0]}  # 0.5 vs 1 per plain token
+    first = run(8 + 4, slow=True)
+    # Vetoed 8 rounds (a shared depth-1 probe aside), then retried: 4 drafting rounds make the
+    # 3 decayed rounds of evidence a check needs.
+    assert max(map(max, first[:8])) <= 1 and min(map(min, first[8:])) >= 5
+    second = run(60, slow=False)  # the retry measured slower: vetoed 16 rounds now
+    back = next(i for i, d in enumerate(second) if min(d) >= 5)
+    assert 16 <= back <= 20  # (the cost fits, which saw slow drafting rounds, may hold it a little longer)
+    assert sum(min(d) >= 5 for d in second[back:]) >= len(second) - back - 2  # fast now: drafting stays
