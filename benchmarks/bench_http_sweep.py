@@ -12,7 +12,8 @@ drafts k tokens every round, vLLM's behaviour). At every temperature and concurr
 two applications run back to back, in alternating order, each answering max(requests, c)
 streamed `/v1/completions` from c client threads (held-out `mid` prompts as token ids;
 seeded at T = 1); a configuration's speedup is its output token throughput over off's
-measured beside it.
+measured beside it. Each application first answers 4 unmeasured requests (lazy
+initialisation, and the policy's warm-up rounds: a long-running server has had them).
 
 Figures carry vLLM's names (its benchmark_serving): output token throughput (completion
 tokens / the level's wall time), TTFT, TPOT ((latency - TTFT) / (tokens - 1)), ITL (gaps
@@ -136,7 +137,9 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
         app["engine"]["max_queued_requests"] = seqs
         serve.run(build_app(app), name=label, route_prefix=f"/{label}")
         base = f"http://127.0.0.1:{port}/{label}"
-        run_level(base, name, prompts, 2, 2, 0.0, 8)  # warm-up: lazy initialisation, first compiles
+        # Warm-up, unmeasured: lazy initialisation, first compiles, and the speculation policy's
+        # first rounds (it cycles every depth once to fit its costs), as a server that has run.
+        run_level(base, name, prompts, 2, 4, 0.0, 32)
         return base
 
     port = start_local_ray()

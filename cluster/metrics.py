@@ -236,7 +236,7 @@ class Metrics:
             counter(
                 "spec_policy_predicted_tokens",
                 t.policy_predicted_tokens,
-                "Tokens the speculation policy expected its budgets to commit (sum over sequence-rounds).",
+                "Tokens the adaptive speculation policy expected its budgets to commit (sum over sequence-rounds).",
             )
             counter(
                 "spec_policy_measured_tokens",

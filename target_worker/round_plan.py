@@ -72,7 +72,8 @@ def checked_trees(
     """The tree each of `ready` verifies this round: the drafter's if it is sound (for the round
     and root the sequence is at, within its budget, unless `validated` on arrival), else
     root-only. Returns the trees and how many were used, dropped as invalid, and missing."""
-    pairs = [(s, received[s.seq_id]) for s in ready if s.seq_id in received]
+    answered = [(s, received[s.seq_id]) for s in ready if s.seq_id in received]
+    pairs = [(s, t) for s, t in answered if len(t.tokens) > 1]  # a root alone drafts nothing: no checks
     num_asked = sum(s.asked for s in ready)
     for seq in ready:
         seq.asked = False  # answered (or not) this round
@@ -91,7 +92,8 @@ def checked_trees(
         else:
             log.debug("dropped the tree of sequence %d: %s", seq.seq_id, error)
     trees = [good[s.seq_id] if s.seq_id in good else root_only_tree(s, round) for s in ready]
-    return trees, len(good), len(pairs) - len(good), num_asked - len(pairs)
+    empty = len(answered) - len(pairs)
+    return trees, len(good) + empty, len(pairs) - len(good), num_asked - len(answered)
 
 
 def tree_depth(tree: CandidateTree) -> int:

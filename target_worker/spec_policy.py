@@ -5,15 +5,22 @@ change with the batch, the sequence and the hardware. Every round the engine ask
 for each decoding sequence's TreeBudget (depth k; k = 0 verifies the root only), chosen so the
 batch's expected committed tokens per second is highest:
 
-    tokens(k_s)  = 1 + sum_{i=1..k_s} prod_{d=1..i} alpha_s,d     survival along the draft
-    seconds      = verify(N, D) + draft(max_s k_s)                 N = sum_s nodes(k_s) + prefill
+    tokens(k_s)  = 1 + sum_{i=1..k_s} prod_{d=1..i} delta_s,d alpha_s,d   survival along the draft
+    seconds      = verify(N, A, D) + draft(max_s k_s)               N = sum_s nodes_s(k_s) + prefill
     maximise       sum_s tokens(k_s) / seconds
 
-- alpha_s,d: the chance a draft reaching depth d - 1 also keeps depth d, per sequence,
-  from decayed counts shrunk toward the batch-wide estimate while the sequence is new;
-- verify(N, D) = a + b N + s D: a round's seconds outside `collect` against the tokens its
-  forward carries (prefill chunks included) and the D sequences that drafted (their trees'
-  packing, walk and bookkeeping), fitted online; draft(m) = c + e m: the time the engine
+- alpha_s,d: the chance a draft reaching depth d - 1 also keeps depth d, and delta_s,d the
+  chance the drafter drafts depth d at all when its budget allows (a lookup drafter matches
+  nothing, or less than asked, most rounds on some text), per sequence, from decayed counts
+  shrunk toward the batch-wide estimates while the sequence is new; nodes_s(k) is the
+  budget's nodes scaled by the expected share of its depth the drafter fills, so asking a
+  drafter that mostly proposes nothing costs little;
+- verify(N, A, D) = a + b N + r A + s D: a round's seconds outside `collect` against the
+  tokens its forward carries (prefill chunks included), the A sequences asked to draft
+  (their deltas, answers and bookkeeping) and the D of them whose trees carry drafts (their
+  packing, walk, and on a CPU the step from a one-token forward to a many-token one), fitted
+  online; a sequence asked adds r + s x the chance its drafter proposes anything;
+  draft(m) = c + e m: the time the engine
   waits in `collect` when the deepest budget is m (in-process drafting runs there; a remote
   drafter costs only what the engine waits for), 0 when no sequence drafts (no collect);
 - the maximum is found by Dinkelbach's iteration for each deepest budget m: for a ratio
@@ -63,6 +70,7 @@ class PolicyConfig:
     adaptive: bool = True  # False: every sequence drafts the ceiling (vLLM's fixed K)
     probe_every: int = 16  # rounds between depth-1 probes of the sequences not speculating
     max_probe_every: int = 256  # the spacing doubles up to this while speculation stays off
+    min_probe_every: int = 4  # the spacing of probes that cost next to nothing (see `_probed`)
     prior_strength: float = 4.0  # pseudo-observations of the batch-wide estimate per depth
     sequence_decay: float = 0.8  # per-observation decay of a sequence's counts (recent text matters)
     global_decay: float = 0.995
@@ -72,58 +80,77 @@ class PolicyConfig:
     probe_share: float = 0.01  # while off, probes may cost about this share of the time
     warmup_cycles: int = 2  # rounds 0 .. (ceiling + 1) * cycles - 1 cycle the depth 0 .. ceiling
     probe_chain: int = 32  # kept probes in a row that paid, before spacing them again
-    goodput_decay: float = 0.9  # per-round decay of the measured goodput of drafting / off rounds
-    goodput_min_rounds: float = 3.0  # decayed rounds of each kind before the check can veto
+    goodput_decay: float = 0.98  # per-round decay of the measured goodput of drafting / off rounds
+    goodput_min_rounds: float = 10.0  # decayed rounds of each kind before the check can veto
+    goodput_margin: float = 0.03  # drafting must measure this much less than off to be vetoed
 
 
 class _Fit:
     """y = w . (1, x_1, .., x_n) by decayed least squares, every w >= 0.
 
     `add` only accumulates (plain floats: it runs every round); `solve` (every few rounds)
-    refits. A coefficient the data cannot tell apart (its feature has not varied lately)
+    refits, and `coefficients` are the last fit's. A coefficient the data cannot tell apart (its feature has not varied lately)
     keeps its last estimate: a small ridge pulls it toward that, not toward 0.
     """
 
     def __init__(self, num_features: int, decay: float):
         size = num_features + 1
         self.decay = decay
+        # The sums are kept undecayed, each round's terms weighted by 1 / decay^t instead
+        # (`_weight`), so a round adds the upper triangle and touches nothing else.
         self.xtx = [[0.0] * size for _ in range(size)]
         self.xty = [0.0] * size
+        self._weight = 1.0
         self.w = np.zeros(size)
+        self._coefficients = tuple(float(v) for v in self.w)
 
     def add(self, features: Seq[float], y: float) -> None:
-        x, d = (1.0, *features), self.decay
+        self._weight /= self.decay
+        x, weight = (1.0, *features), self._weight
         for i, xi in enumerate(x):
-            row = self.xtx[i]
-            for j, xj in enumerate(x):
-                row[j] = d * row[j] + xi * xj
-            self.xty[i] = d * self.xty[i] + xi * y
+            row, wx = self.xtx[i], weight * xi
+            for j in range(i, len(x)):
+                row[j] += wx * x[j]
+            self.xty[i] += wx * y
+        if weight > 1e100:  # fold the weight back into the sums before it overflows
+            self.xtx = [[v / weight for v in row] for row in self.xtx]
+            self.xty = [v / weight for v in self.xty]
+            self._weight = 1.0
 
     def solve(self) -> tuple[float, ...]:
-        xtx, xty = np.array(self.xtx), np.array(self.xty)
+        upper = np.array(self.xtx) / self._weight
+        xtx, xty = np.triu(upper) + np.triu(upper, 1).T, np.array(self.xty) / self._weight
         ridge = 1e-6 * (np.trace(xtx) + 1.0) * np.eye(len(xty))
         self.w = np.maximum(np.linalg.solve(xtx + ridge, xty + ridge @ self.w), 0.0)
-        return self.coefficients()
+        self._coefficients = tuple(float(v) for v in self.w)
+        return self._coefficients
 
     def coefficients(self) -> tuple[float, ...]:
-        return tuple(float(v) for v in self.w)
+        return self._coefficients
 
 
 @dataclass
 class _Acceptance:
-    """Decayed per-depth counts: tries[d] drafts reached depth d, kept[d] of them kept it."""
+    """Decayed per-depth counts (index d is depth d + 1): asked[d] drafts that could reach
+    depth d + 1 (the budget allowed it and the tree reached depth d), drafted[d] of them did;
+    tries[d] drafts that reached depth d + 1 with every token above it kept, kept[d] of them
+    kept it too."""
 
+    asked: np.ndarray
+    drafted: np.ndarray
     tries: np.ndarray
     kept: np.ndarray
 
     @classmethod
     def empty(cls, depth: int) -> _Acceptance:
-        return cls(np.zeros(depth), np.zeros(depth))
+        return cls(np.zeros(depth), np.zeros(depth), np.zeros(depth), np.zeros(depth))
 
-    def add(self, tree_depth: int, accepted: int, decay: float) -> None:
+    def add(self, budget_depth: int, tree_depth: int, accepted: int, decay: float) -> None:
         reached = min(accepted + 1, tree_depth)  # depths tried: all kept ones and the first lost
-        self.tries *= decay
-        self.kept *= decay
+        for counts in (self.asked, self.drafted, self.tries, self.kept):
+            counts *= decay
+        self.asked[: min(tree_depth + 1, budget_depth)] += 1
+        self.drafted[:tree_depth] += 1
         self.tries[:reached] += 1
         self.kept[:accepted] += 1
 
@@ -146,9 +173,10 @@ class SpeculationPolicy:
         depth = max(ceiling.max_depth, 1)
         self.glob = _Acceptance.empty(depth)
         self.seqs: dict[int, _Acceptance] = {}
-        # Round seconds (collect aside) = a + b * tokens in the forward + s * sequences with a draft
-        # (their trees' packing, walk and bookkeeping); collect seconds = c + e * deepest budget.
-        self.verify_cost = _Fit(2, self.config.cost_decay)
+        # Round seconds (collect aside) = a + b * tokens in the forward + r * sequences asked to
+        # draft (their deltas, answers, bookkeeping) + s * sequences whose tree has drafts (its
+        # packing, walk, ...); collect seconds = c + e * deepest budget.
+        self.verify_cost = _Fit(3, self.config.cost_decay)
         self.draft_cost = _Fit(1, self.config.cost_decay)
         self.deepest_seen = 0  # the drafter may draft less than the ceiling: never plan past it + 1
         self.rounds = 0
@@ -167,8 +195,8 @@ class SpeculationPolicy:
         # Probe rounds while off: whether the planned round is one, and what a probe round
         # costs beyond a round without drafts (plain-equivalent tokens, as `_goodput`; catching
         # the drafter up included), averaged.
-        self._probing, self._probe_extra = False, 0.0
-        self._gain_rows: dict[int, np.ndarray] = {}  # seq_id -> its `_gains` row, while valid
+        self._probing, self._probe_extra = False, None  # None: not measured yet
+        self._gain_rows: dict[int, np.ndarray] = {}  # seq_id -> its `_gains` rows, while valid
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
         self._predicted: dict[int, float] = {}
         width = (ceiling.max_nodes - 1) / depth if ceiling.max_depth else 0.0
@@ -182,23 +210,29 @@ class SpeculationPolicy:
             return []
         ceiling = [max(0, min(self.ceiling.max_depth, limit.max_depth)) for limit in limits]
         vetoed = self._vetoed()
-        if (vetoed and not self._due()) or self._all_off():  # speculation does not pay: no solve
+        if not self.config.adaptive:  # fixed K: nothing to decide, nor to predict
+            depths, predicted = ceiling, [None] * len(seq_ids)
+        elif (vetoed and not self._due()) or self._all_off():  # speculation does not pay: no solve
             self._planned, self._off_probe = False, False
             self.stats.vetoed_rounds += vetoed
             depths = self._probed(seq_ids, [0] * len(seq_ids), ceiling)
             predicted = [
-                1.0 if k == 0 else float(self._gain([s])[0, k]) for s, k in zip(seq_ids, depths, strict=True)
+                1.0 if k == 0 else float(self._gain([s])[0][0, k])
+                for s, k in zip(seq_ids, depths, strict=True)
             ]
         else:
-            gain = self._gain(seq_ids)
+            gain, nodes, some = self._gain(seq_ids)
             depths = self._probed(
-                seq_ids, self._checked(self._depths(gain, ceiling, prefill_tokens), vetoed), ceiling
+                seq_ids,
+                self._checked(self._depths(gain, nodes, some, ceiling, prefill_tokens), vetoed),
+                ceiling,
             )
             predicted = gain[np.arange(len(seq_ids)), depths].tolist()
         out = []
         for seq_id, limit, k, tokens in zip(seq_ids, limits, depths, predicted, strict=True):
             self.stats.depth_counts[k] += 1
-            self._predicted[seq_id] = tokens
+            if tokens is not None:
+                self._predicted[seq_id] = tokens
             if k == 0:
                 out.append(NO_DRAFT)
             else:
@@ -223,7 +257,7 @@ class SpeculationPolicy:
         self.rounds += 1
         config = self.config
         # What plain decoding would have committed in this round's time: B tokens per verify(B).
-        a, b, _ = self.verify_cost.coefficients()
+        a, b, *_ = self.verify_cost.coefficients()
         plain_s = a + b * len(outcomes)
         worth = (round_s + draft_wait_s) * len(outcomes) / (plain_s if plain_s > 0 else 1.0)
         evidence = (sum(o[4] for o in outcomes), worth, 1.0)
@@ -234,12 +268,12 @@ class SpeculationPolicy:
         off = self._goodput[False]
         if self._probing and not prefill_tokens and off[2] > 0:
             extra = max(0.0, evidence[1] - off[1] / off[2])
-            self._probe_extra = 0.5 * (self._probe_extra + extra) if self._probe_extra else extra
+            self._probe_extra = extra if self._probe_extra is None else 0.5 * (self._probe_extra + extra)
         self._probing = False
         # Whether this round (a probe, while speculation is off) measured at least the goodput
         # of rounds without drafts (true until those are measured).
         probe_paid = off[2] < config.goodput_min_rounds or evidence[0] * off[1] >= off[0] * evidence[1]
-        drafted = 0
+        asked = drafted = 0
         for seq_id, budget_depth, depth, accepted, committed in outcomes:
             predicted = self._predicted.pop(seq_id, None)
             if predicted is not None:
@@ -247,7 +281,8 @@ class SpeculationPolicy:
                 self.stats.measured_tokens += committed
             if budget_depth == 0:
                 continue
-            drafted += 1
+            asked += 1
+            drafted += depth > 0
             if self._solved is not None and self._solved[0] == 0:
                 # A probe while speculation is off. Kept, and as fast as rounds without drafts:
                 # solve again next round with what it showed, and probe again, up to
@@ -260,15 +295,14 @@ class SpeculationPolicy:
                     self._next_solve, self._solve_interval = self.rounds, config.resolve_every
                 else:
                     self._chain = 0
-            # Asked for a draft and given none (nothing matched): for the policy, as good as a
-            # first draft token lost.
-            depth = max(depth, 1)
+            # A tree shorter than its budget (a lookup that matched little, or nothing: depth 0)
+            # counts in `drafted`, not as tokens lost: asking cost less than the budget's nodes.
             self.deepest_seen = max(self.deepest_seen, depth)
             self._gain_rows.pop(seq_id, None)
             own = self.seqs.setdefault(seq_id, _Acceptance.empty(len(self.glob.tries)))
-            own.add(depth, accepted, config.sequence_decay)
-            self.glob.add(depth, accepted, config.global_decay)
-        self.verify_cost.add((forward_tokens, drafted), round_s)
+            own.add(budget_depth, depth, accepted, config.sequence_decay)
+            self.glob.add(budget_depth, depth, accepted, config.global_decay)
+        self.verify_cost.add((forward_tokens, asked, drafted), round_s)
         if deepest_budget > 0:  # with no budget anywhere the engine does not collect at all
             self.draft_cost.add((deepest_budget,), draft_wait_s)
 
@@ -288,7 +322,7 @@ class SpeculationPolicy:
             (
                 seq.seq_id,
                 budgets[b],
-                tree_depth(tree) if len(tree.parents) > 1 else 0,
+                tree_depth(tree) if tree.parents.shape[0] > 1 else 0,
                 output[b] - 1,
                 output[b],
             )
@@ -306,37 +340,60 @@ class SpeculationPolicy:
 
     # ---- the choice ----------------------------------------------------------------------
 
-    def _gain(self, seq_ids: Seq[int]) -> np.ndarray:
+    def _gain(self, seq_ids: Seq[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`_gains` by sequence, cached until the sequence drafts again or the next full solve."""
         if self._due():
             self._gain_rows.clear()
         missing = [s for s in seq_ids if s not in self._gain_rows]
         if missing:
             self._gain_rows.update(zip(missing, self._gains(missing), strict=True))
-        return np.stack([self._gain_rows[s] for s in seq_ids])
+        rows = np.stack([self._gain_rows[s] for s in seq_ids])  # [B, 3, K + 1]
+        return rows[:, 0], rows[:, 1], rows[:, 2]
 
     def _gains(self, seq_ids: Seq[int]) -> np.ndarray:
-        """[B, K + 1]: expected committed tokens per depth 0 .. ceiling, 1 + survival products.
+        """[B, 3, K + 1]: per depth budget 0 .. ceiling, the expected committed tokens, the
+        expected nodes verified, and the chance the tree has any draft at all.
 
-        A sequence's rate at depth d is its decayed counts plus `prior_strength`
-        pseudo-observations of an anchor: the batch-wide counts at depth d, themselves shrunk
-        toward the sequence's own rate at depth d - 1. So a new sequence starts from the batch,
-        and a depth nobody has drafted lately is expected to do about as well as the one
-        above it (so it gets tried when that one pays). Depths past the deepest tree ever
-        drafted (+1, to find out) earn nothing."""
+        Two rates per sequence and depth d: that the drafter drafts depth d when its budget
+        allows (a lookup drafter often matches nothing, or less than asked), and that a
+        drafted token at depth d is kept (all above it kept). Each is the sequence's decayed
+        counts plus `prior_strength` pseudo-observations of an anchor: the batch-wide counts
+        at depth d, themselves shrunk toward the sequence's own rate at depth d - 1. So a new
+        sequence starts from the batch, and a depth nobody has drafted lately is expected to
+        do about as well as the one above it (so it gets tried when that one pays). Then
+
+            tokens(k) = 1 + sum_{i <= k} prod_{d <= i} drafts_d keeps_d
+            nodes(k)  = 1 + (budget nodes(k) - 1) x (sum_{i <= k} prod_{d <= i} drafts_d) / k
+
+        Depths past the deepest tree ever drafted (+1, to find out) earn nothing."""
+        g = self.glob
+        own = [self.seqs.get(s) for s in seq_ids]
+        drafts = self._rates(own, "drafted", "asked", 1.0)  # [B, K]
+        keeps = self._rates(own, "kept", "tries", 0.5)
+        keeps[:, max(self.deepest_seen + 1, 1) :] = 0.0
+        ones = np.ones((len(seq_ids), 1))
+        tokens = np.concatenate([ones, 1.0 + np.cumsum(np.cumprod(drafts * keeps, axis=1), axis=1)], axis=1)
+        filled = np.cumsum(np.cumprod(drafts, axis=1), axis=1) / np.arange(1, g.tries.shape[0] + 1)
+        nodes = 1.0 + (self._nodes[None, 1:] - 1.0) * filled
+        some = np.repeat(drafts[:, :1], drafts.shape[1], axis=1)
+        return np.stack(
+            [tokens, np.concatenate([ones, nodes], axis=1), np.concatenate([0 * ones, some], axis=1)], axis=1
+        )
+
+    def _rates(self, own: list[_Acceptance | None], hits: str, trials: str, first: float) -> np.ndarray:
+        """[B, K]: per sequence and depth, hits / trials shrunk as `_gains` says; `first`: the
+        weak anchor above depth 1."""
         g, prior = self.glob, self.config.prior_strength
         zero = np.zeros_like(g.tries)
-        own = [self.seqs.get(s) for s in seq_ids]
-        tries = np.stack([o.tries if o is not None else zero for o in own])  # [B, K]
-        kept = np.stack([o.kept if o is not None else zero for o in own])
-        rate = np.empty_like(tries)
-        above = np.full(len(seq_ids), 0.5)  # the rate at depth d - 1 (a weak 0.5 above depth 1)
-        for d in range(tries.shape[1]):
-            anchor = (g.kept[d] + prior * above) / (g.tries[d] + prior)
-            rate[:, d] = above = (kept[:, d] + prior * anchor) / (tries[:, d] + prior)
-        rate[:, max(self.deepest_seen + 1, 1) :] = 0.0
-        survival = np.cumsum(np.cumprod(rate, axis=1), axis=1)
-        return np.concatenate([np.ones((len(seq_ids), 1)), 1.0 + survival], axis=1)
+        num = np.stack([getattr(o, hits) if o is not None else zero for o in own])
+        den = np.stack([getattr(o, trials) if o is not None else zero for o in own])
+        glob_num, glob_den = getattr(g, hits), getattr(g, trials)
+        rate = np.empty_like(num)
+        above = np.full(len(own), first)
+        for d in range(num.shape[1]):
+            anchor = (glob_num[d] + prior * above) / (glob_den[d] + prior)
+            rate[:, d] = above = (num[:, d] + prior * anchor) / (den[:, d] + prior)
+        return rate
 
     def _warming_up(self) -> bool:
         return self.rounds < (self.ceiling.max_depth + 1) * self.config.warmup_cycles
@@ -349,7 +406,9 @@ class SpeculationPolicy:
         adaptive = self.config.adaptive and not self._warming_up()
         return adaptive and not self._due() and self._solved[0] == 0
 
-    def _depths(self, gain: np.ndarray, ceiling: list[int], prefill_tokens: int) -> list[int]:
+    def _depths(
+        self, gain: np.ndarray, nodes: np.ndarray, some: np.ndarray, ceiling: list[int], prefill_tokens: int
+    ) -> list[int]:
         if not self.config.adaptive:
             return ceiling
         if self._warming_up():
@@ -359,26 +418,27 @@ class SpeculationPolicy:
         if due:
             self.verify_cost.solve()
             self.draft_cost.solve()
-        a, b, overhead = self.verify_cost.coefficients()
+        a, b, ask, overhead = self.verify_cost.coefficients()
         c, e = self.draft_cost.coefficients()
         ks = np.arange(gain.shape[1])
-        per_seq = b * self._nodes + overhead * (ks > 0)  # [K + 1] seconds a sequence adds
+        per_seq = b * nodes + ask * (ks > 0) + overhead * some  # [B, K + 1] seconds a sequence adds
         ms = ks if due else np.array([self._solved[0]])  # the deepest budgets to weigh: [M]
         allowed = ks[None, None, :] <= np.minimum(
             np.array(ceiling)[None, :, None], ms[:, None, None]
         )  # [M, B, K+1]
         fixed_s = a + b * prefill_tokens + np.where(ms > 0, c + e * ms, 0.0)  # [M]
         lam = np.full(len(ms), self._solved[1] if self._solved else 0.0)  # [M]
+        rows = np.arange(gain.shape[0])[None, :]
 
         # Dinkelbach for every deepest budget m at once: for a ratio lam each sequence takes
         # the depth <= m maximising tokens - lam * seconds; lam <- the rate that achieves.
         # Between full solves (every `resolve_every` rounds) only the last m and lam are kept,
         # and each sequence re-picks its depth under them as its own estimates move.
         for _ in range(4 if due else 1):
-            score = np.where(allowed, gain[None] - lam[:, None, None] * per_seq[None, None, :], -np.inf)
+            score = np.where(allowed, gain[None] - lam[:, None, None] * per_seq[None], -np.inf)
             choice = score.argmax(2)  # [M, B]
-            tokens = np.take_along_axis(gain[None].repeat(len(ms), 0), choice[:, :, None], 2)[:, :, 0].sum(1)
-            rate = tokens / np.maximum(fixed_s + per_seq[choice].sum(1), 1e-9)  # [M]
+            tokens = gain[rows, choice].sum(1)
+            rate = tokens / np.maximum(fixed_s + per_seq[rows, choice].sum(1), 1e-9)  # [M]
             settled = np.abs(rate - lam) <= 1e-4 * np.maximum(rate, 1.0)
             lam = rate
             if settled.all():
@@ -410,7 +470,7 @@ class SpeculationPolicy:
         on, off = self._goodput[True], self._goodput[False]
         if min(on[2], off[2]) < self.config.goodput_min_rounds:
             return False
-        if on[0] * off[1] >= off[0] * on[1]:  # drafting pays: the next veto starts short
+        if on[0] * off[1] >= (1.0 - self.config.goodput_margin) * off[0] * on[1]:  # pays, or within noise
             self._veto_interval = self.config.probe_every
             return False
         self._veto_until = self.rounds + self._veto_interval
@@ -449,8 +509,11 @@ class SpeculationPolicy:
     def _probed(self, seq_ids: Seq[int], depths: list[int], ceiling: list[int]) -> list[int]:
         """On probe rounds every sequence not speculating drafts depth 1, so its estimates stay
         current. Probe rounds are shared (the drafter's fixed cost per call is paid once for
-        all of them) and spaced `probe_every` rounds apart, doubling while speculation stays
-        off everywhere (up to `max_probe_every`) and back to `probe_every` once it pays."""
+        all of them). While speculation is off everywhere they are spaced by what they cost:
+        as often as keeps them within `probe_share` of the time (every `min_probe_every`
+        rounds for a lookup that costs next to nothing, hundreds apart for a draft model that
+        must first catch up on a long sequence); until a probe has measured that, from
+        `probe_every` rounds, doubling up to `max_probe_every`."""
         if not self.config.adaptive or self._warming_up():
             return depths
         if any(depths):
@@ -460,15 +523,15 @@ class SpeculationPolicy:
         probed = [1 if k == 0 and cap > 0 else k for k, cap in zip(depths, ceiling, strict=True)]
         if probed != depths:  # a probe round is evidence of neither kind
             self._planned = None
-        gap = self._probe_interval
+        gap, config = self._probe_interval, self.config
         if not any(depths):
-            self._probe_interval = min(2 * self._probe_interval, self.config.max_probe_every)
-            self._probing = True
-            # No sooner than keeps probes within `probe_share` of the time: a drafter that must
-            # first catch up on a long sequence makes each probe dear.
+            self._probe_interval = min(2 * self._probe_interval, config.max_probe_every)
+            # The first probe of a chain measures what probing costs (later ones find the
+            # drafter caught up).
+            self._probing = self._chain == 0
             off = self._goodput[False]
-            if off[2] > 0 and off[1] > 0:
-                dear = self._probe_extra / (self.config.probe_share * off[1] / off[2])
-                gap = max(gap, min(int(dear), 4 * self.config.max_probe_every))
+            if self._probe_extra is not None and off[2] > 0 and off[1] > 0:
+                share = self._probe_extra / (config.probe_share * off[1] / off[2])
+                gap = min(max(int(share), config.min_probe_every), 4 * config.max_probe_every)
         self._next_probe = self.rounds + gap
         return probed

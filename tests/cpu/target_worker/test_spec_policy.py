@@ -59,7 +59,36 @@ def test_each_sequence_gets_its_own_depth():
     assert chosen[0] >= 3 and chosen[1] <= 1
 
 
-def test_sequences_turned_off_are_probed_ever_less_often_until_drafts_pay_again():
+def lookup_rounds(policy, proposes: float, keeps: float, rounds: int, seed: int = 0) -> list[int]:
+    """A lookup drafter (ngram-like): asked for k tokens, it drafts all k with probability
+    `proposes` and nothing otherwise; a drafted token is kept with probability `keeps`. Verify
+    costs 1 ms + 1 ms a token (compute-bound), drafting nothing. Returns the budgets given."""
+    rng = random.Random(seed)
+    given, k = [], CEILING.max_depth
+    for _ in range(rounds):
+        drafted = k if rng.random() < proposes else 0
+        kept = 0
+        while kept < drafted and rng.random() < keeps:
+            kept += 1
+        policy.observe([(0, k, drafted, kept, kept + 1)], 1 + drafted, 1e-3 * (2 + drafted), k, 0.0)
+        k = policy.budgets([0], [CEILING], 0)[0].max_depth
+        given.append(k)
+    return given
+
+
+def test_asking_a_drafter_that_mostly_proposes_nothing_is_priced_by_what_it_drafts():
+    """A lookup that matches one round in five but is then kept: asking costs only the tokens
+    it drafts, so the policy keeps asking at depth, as fixed K would (counting an empty
+    proposal as a lost first token and the budget's nodes as the cost turned this off)."""
+    given = lookup_rounds(SpeculationPolicy(CEILING), proposes=0.2, keeps=0.97, rounds=400)
+    assert sum(k >= 4 for k in given[200:]) >= 180
+    # The same match rate with drafts that are lost: not worth asking (but for depth-1 probes,
+    # frequent here since they cost next to nothing).
+    given = lookup_rounds(SpeculationPolicy(CEILING), proposes=0.2, keeps=0.05, rounds=400)
+    assert sum(k <= 1 for k in given[200:]) >= 195
+
+
+def test_sequences_turned_off_are_probed_until_drafts_pay_again():
     # probe_share 1: probes are never too dear here (the next test spaces dear ones).
     policy = SpeculationPolicy(CEILING, PolicyConfig(probe_every=4, max_probe_every=32, probe_share=1.0))
 
@@ -80,7 +109,7 @@ def test_sequences_turned_off_are_probed_ever_less_often_until_drafts_pay_again(
         tokens, round_s, draft_s = cost(depths)
         policy.observe(outcomes, tokens, round_s, max(depths), draft_s * bool(any(depths)))
     gaps = [b - a for a, b in zip(probe_rounds, probe_rounds[1:], strict=False)]
-    assert gaps[:3] == sorted(gaps[:3]) and gaps[-1] == 32  # doubling, up to the cap
+    assert len(gaps) >= 10 and min(gaps) >= policy.config.min_probe_every
     # The text turns predictable: a probe sees its draft kept, and speculation comes back.
     for _ in range(80):
         depths = [b.max_depth for b in policy.budgets([7, 8], [CEILING] * 2, 0)]
@@ -108,9 +137,10 @@ def probe_gaps(probe_extra_s: float, rounds: int = 600) -> list[int]:
 
 def test_dear_probes_are_spaced_to_cost_about_their_share_of_the_time():
     """A probe that costs 5 ms beyond a 1 ms round (a drafter catching up on a long sequence)
-    may come only every ~100 rounds at a 5% share; cheap probes keep the doubling schedule."""
+    may come only every ~100 rounds at a 5% share; one that costs next to nothing comes every
+    `min_probe_every` rounds."""
     cheap, dear = probe_gaps(1e-5), probe_gaps(5e-3)
-    assert max(cheap) == 32 and len(cheap) > 10
+    assert set(cheap[2:]) == {PolicyConfig().min_probe_every}
     assert 90 <= min(dear[-3:]) and max(dear) <= 4 * 32  # once probes have measured their cost
     assert len(dear) <= len(cheap) / 2
 
@@ -197,12 +227,23 @@ def test_measured_goodput_vetoes_drafts_the_cost_model_favours_then_retries_them
             )
         return least
 
-    policy._goodput = {True: [10.0, 20.0, 5.0], False: [10.0, 10.0, 5.0]}  # 0.5 vs 1 per plain token
-    first = run(8 + 4, slow=True)
-    # Vetoed 8 rounds (a shared depth-1 probe aside), then retried: 4 drafting rounds make the
-    # 3 decayed rounds of evidence a check needs.
-    assert max(map(max, first[:8])) <= 1 and min(map(min, first[8:])) >= 5
+    # From here the solver always wants the ceiling (a cost model that is wrong), so only the
+    # measured check holds it back.
+    policy._depths = lambda gain, nodes, some, ceiling, prefill_tokens: list(ceiling)
+    config, n = policy.config, 20.0
+    policy._goodput = {True: [n, 2 * n, n], False: [n, n, n]}  # 0.5 vs 1 committed per plain token
+    # Drafting rounds a retry takes to gather the decayed rounds of evidence a check needs.
+    need = next(
+        i
+        for i in range(1, 100)
+        if sum(config.goodput_decay**j for j in range(i)) >= config.goodput_min_rounds
+    )
+    first = run(8 + need + 2, slow=True)
+    # Vetoed 8 rounds (a shared depth-1 probe aside), then retried (an off probe may come first).
+    assert max(map(max, first[:8])) <= 1 and sum(min(d) >= 5 for d in first[8:]) >= need - 2
     second = run(60, slow=False)  # the retry measured slower: vetoed 16 rounds now
     back = next(i for i, d in enumerate(second) if min(d) >= 5)
-    assert 16 <= back <= 20  # (the cost fits, which saw slow drafting rounds, may hold it a little longer)
-    assert sum(min(d) >= 5 for d in second[back:]) >= len(second) - back - 2  # fast now: drafting stays
+    assert 16 <= back <= 17  # (an off probe may come first)
+    assert (
+        sum(min(d) >= 5 for d in second[back:]) >= len(second) - back - 4
+    )  # fast: drafting stays (off probes aside)
