@@ -76,12 +76,14 @@ class PolicyConfig:
     global_decay: float = 0.995
     cost_decay: float = 0.98  # per-round decay of the cost fits' sums (conditions drift)
     resolve_every: int = 8  # rounds between full solves of the deepest budget and the ratio
+    gain_refresh: int = 4  # rounds a sequence's expected tokens and nodes are reused
     max_resolve_every: int = 64  # the spacing doubles up to this while solves keep speculation off
     probe_share: float = 0.01  # while off, probes may cost about this share of the time
     warmup_cycles: int = 2  # rounds 0 .. (ceiling + 1) * cycles - 1 cycle the depth 0 .. ceiling
     probe_chain: int = 32  # kept probes in a row that paid, before spacing them again
     goodput_decay: float = 0.98  # per-round decay of the measured goodput of drafting / off rounds
-    goodput_min_rounds: float = 10.0  # decayed rounds of each kind before the check can veto
+    goodput_min_rounds: float = 10.0  # decayed drafting rounds (bursty) before the check can veto
+    off_min_rounds: float = 3.0  # and rounds without drafts (steady: plain decoding)
     goodput_margin: float = 0.03  # drafting must measure this much less than off to be vetoed
 
 
@@ -196,7 +198,7 @@ class SpeculationPolicy:
         # costs beyond a round without drafts (plain-equivalent tokens, as `_goodput`; catching
         # the drafter up included), averaged.
         self._probing, self._probe_extra = False, None  # None: not measured yet
-        self._gain_rows: dict[int, np.ndarray] = {}  # seq_id -> its `_gains` rows, while valid
+        self._gain_rows: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (round, its `_gains` rows)
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
         self._predicted: dict[int, float] = {}
         width = (ceiling.max_nodes - 1) / depth if ceiling.max_depth else 0.0
@@ -272,7 +274,7 @@ class SpeculationPolicy:
         self._probing = False
         # Whether this round (a probe, while speculation is off) measured at least the goodput
         # of rounds without drafts (true until those are measured).
-        probe_paid = off[2] < config.goodput_min_rounds or evidence[0] * off[1] >= off[0] * evidence[1]
+        probe_paid = off[2] < config.off_min_rounds or evidence[0] * off[1] >= off[0] * evidence[1]
         asked = drafted = 0
         for seq_id, budget_depth, depth, accepted, committed in outcomes:
             predicted = self._predicted.pop(seq_id, None)
@@ -298,7 +300,6 @@ class SpeculationPolicy:
             # A tree shorter than its budget (a lookup that matched little, or nothing: depth 0)
             # counts in `drafted`, not as tokens lost: asking cost less than the budget's nodes.
             self.deepest_seen = max(self.deepest_seen, depth)
-            self._gain_rows.pop(seq_id, None)
             own = self.seqs.setdefault(seq_id, _Acceptance.empty(len(self.glob.tries)))
             own.add(budget_depth, depth, accepted, config.sequence_decay)
             self.glob.add(budget_depth, depth, accepted, config.global_decay)
@@ -341,13 +342,16 @@ class SpeculationPolicy:
     # ---- the choice ----------------------------------------------------------------------
 
     def _gain(self, seq_ids: Seq[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`_gains` by sequence, cached until the sequence drafts again or the next full solve."""
+        """`_gains` by sequence, kept `gain_refresh` rounds (a round's outcome moves them
+        little, and recomputing them every round cost more than the choice they inform) or
+        until the next full solve."""
         if self._due():
             self._gain_rows.clear()
-        missing = [s for s in seq_ids if s not in self._gain_rows]
+        cached, now = self._gain_rows, self.rounds
+        missing = [s for s in seq_ids if s not in cached or now - cached[s][0] >= self.config.gain_refresh]
         if missing:
-            self._gain_rows.update(zip(missing, self._gains(missing), strict=True))
-        rows = np.stack([self._gain_rows[s] for s in seq_ids])  # [B, 3, K + 1]
+            cached.update((s, (now, row)) for s, row in zip(missing, self._gains(missing), strict=True))
+        rows = np.stack([cached[s][1] for s in seq_ids])  # [B, 3, K + 1]
         return rows[:, 0], rows[:, 1], rows[:, 2]
 
     def _gains(self, seq_ids: Seq[int]) -> np.ndarray:
@@ -468,7 +472,7 @@ class SpeculationPolicy:
         if self.rounds < self._veto_until:
             return True
         on, off = self._goodput[True], self._goodput[False]
-        if min(on[2], off[2]) < self.config.goodput_min_rounds:
+        if not self._measured():
             return False
         if on[0] * off[1] >= (1.0 - self.config.goodput_margin) * off[0] * on[1]:  # pays, or within noise
             self._veto_interval = self.config.probe_every
@@ -477,6 +481,14 @@ class SpeculationPolicy:
         self._veto_interval = min(2 * self._veto_interval, self.config.max_probe_every)
         self._goodput[True] = [0.0, 0.0, 0.0]  # the retry after it measures afresh
         return True
+
+    def _measured(self) -> bool:
+        """Both kinds of round measured enough for the goodput check."""
+        config = self.config
+        return (
+            self._goodput[True][2] >= config.goodput_min_rounds
+            and self._goodput[False][2] >= config.off_min_rounds
+        )
 
     def _checked(self, depths: list[int], vetoed: bool) -> list[int]:
         """The solver's depths, unless measured goodput says otherwise (see the module docstring):
@@ -492,8 +504,7 @@ class SpeculationPolicy:
             self.stats.vetoed_rounds += 1
             self._planned = False
             return [0] * len(depths)
-        on, off = self._goodput[True], self._goodput[False]
-        enough = min(on[2], off[2]) >= self.config.goodput_min_rounds
+        enough = self._measured()
         if self.rounds >= self._next_off:
             self._next_off = self.rounds + self._off_interval
             # Spaced ever wider once both kinds are measured and drafting wins.
