@@ -286,8 +286,11 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     from outrider.target_worker.sequence import RequestParams
 
     log(f"prompts ready; warming up {len(runs)} configurations")
-    warm = RequestParams(max_tokens=4, ignore_eos=True)
-    for run in runs.values():  # lazy initialisation out of the timed runs
+    # Lazy initialisation out of the timed runs, and for `+adaptive` configurations the
+    # speculation policy's first rounds (it cycles every depth to fit its costs): each engine
+    # keeps its policy across the sweep, as a server that has run a while.
+    warm = RequestParams(max_tokens=64, ignore_eos=True)
+    for run in runs.values():
         run(prompts_by_set[primary][0].token_ids, warm)
     rng = random.Random(args.seed)
     t0 = time.perf_counter()

@@ -26,9 +26,9 @@ batch's expected committed tokens per second is highest:
 - the maximum is found by Dinkelbach's iteration for each deepest budget m: for a ratio
   lambda, each sequence independently takes the k <= m maximising tokens(k) - lambda b
   nodes(k); lambda <- the resulting ratio, until it settles;
-- sequences whose budget is 0 are probed with depth 1 on shared probe rounds, every
-  `probe_every` rounds and less often while speculation stays off everywhere, so their
-  estimates stay current when their text turns predictable again;
+- sequences whose budget is 0 are probed with depth 1 on shared probe rounds, spaced by
+  what a probe costs (`_probed`), so their estimates stay current when their text turns
+  predictable again;
 - the first rounds cycle the depth 0 .. ceiling, so the cost fits see a spread of tokens and
   depths; a fit keeps its last slope while later rounds stop varying;
 - the model is checked against what rounds measure: the committed tokens of the rounds the
