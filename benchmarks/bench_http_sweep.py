@@ -139,7 +139,7 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
         base = f"http://127.0.0.1:{port}/{label}"
         # Warm-up, unmeasured: lazy initialisation, first compiles, and the speculation policy's
         # first rounds (it cycles every depth once to fit its costs), as a server that has run.
-        run_level(base, name, prompts, 2, 4, 0.0, 32)
+        run_level(base, name, prompts, 2, 4, 0.0, min(32, args.max_tokens))
         return base
 
     port = start_local_ray()

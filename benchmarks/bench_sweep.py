@@ -289,7 +289,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     # Lazy initialisation out of the timed runs, and for `+adaptive` configurations the
     # speculation policy's first rounds (it cycles every depth to fit its costs): each engine
     # keeps its policy across the sweep, as a server that has run a while.
-    warm = RequestParams(max_tokens=64, ignore_eos=True)
+    warm = RequestParams(max_tokens=min(64, args.max_tokens), ignore_eos=True)  # within the context
     for run in runs.values():
         run(prompts_by_set[primary][0].token_ids, warm)
     rng = random.Random(args.seed)
