@@ -100,11 +100,11 @@ def record(runner, prompts, max_tokens: int, path: Path) -> None:
     path.write_text(json.dumps([p + c.token_ids for p, c in zip(prompts, outputs, strict=True)]))
 
 
-def ideal_speedup(acceptance: float, k: int, batch: int, line: tuple[float, float, float]) -> float:
+def ideal_speedup(acceptance: float, k: int, batch: int, line: tuple[float, ...]) -> float:
     """tau(K) over what verifying K + 1 tokens per sequence costs against 1, from the fitted
     round cost a + b * tokens (the per-drafting-sequence overhead is the engine's, not ideal)."""
     tau = sum(acceptance**i for i in range(k + 1))
-    a, b, _ = line
+    a, b, *_ = line
     return tau * (a + b * batch) / (a + b * batch * (k + 1))
 
 
