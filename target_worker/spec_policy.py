@@ -23,26 +23,11 @@ batch's expected committed tokens per second is highest:
   draft(m) = c + e m: the time the engine
   waits in `collect` when the deepest budget is m (in-process drafting runs there; a remote
   drafter costs only what the engine waits for), 0 when no sequence drafts (no collect);
-- the maximum is found by Dinkelbach's iteration for each deepest budget m: for a ratio
-  lambda, each sequence independently takes the k <= m maximising tokens(k) - lambda b
-  nodes(k); lambda <- the resulting ratio, until it settles;
-- sequences whose budget is 0 are probed with depth 1 on shared probe rounds, spaced by
-  what a probe costs (`_probed`), so their estimates stay current when their text turns
-  predictable again;
-- the first rounds cycle the depth 0 .. ceiling, so the cost fits see a spread of tokens and
-  depths; a fit keeps its last slope while later rounds stop varying;
-- the model is checked against what rounds measure: the committed tokens of the rounds the
-  solver chose to draft in, and of rounds where nobody drafted, each per *plain-equivalent
-  token* (a round's seconds x its B sequences / verify(B, 0), what plain decoding would
-  have committed in that time: batches that shrink as requests finish, or grow as they
-  arrive, compare fairly), decayed. While
-  speculating, an *off probe* round (no drafts anywhere) now and then keeps the second
-  current, spaced ever wider while the check agrees; when drafting rounds measure slower,
-  speculation is vetoed (the model's extrapolation was wrong: a drafting-only history
-  cannot tell its intercept from its slopes) for `probe_every` rounds, doubling while each
-  retry measures slower again (up to `max_probe_every`); a retry starts its drafting
-  evidence afresh, so a few drafting rounds decide it and old evidence (text that was not
-  yet predictable, say) does not hold speculation off.
+- Dinkelbach's iteration finds the maximum; sequences not speculating are probed with
+  depth 1 on shared rounds spaced by what a probe costs (`_probed`); the model is checked
+  against measured goodput, and vetoed for a while where drafting rounds measure less than
+  rounds without (`_vetoed`). The full account, with the measurements behind each rule:
+  docs/algorithms.md section 2c.
 
 `fixed` is vLLM's behaviour: every sequence drafts the ceiling each round.
 """
@@ -56,6 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from outrider.proto import CandidateTree, TreeBudget
+from outrider.target_worker.policy_estimates import CostFit, DraftCounts, shrunk_rates
 from outrider.target_worker.round_plan import RoundPlan, tree_depth
 
 if TYPE_CHECKING:
@@ -87,76 +73,6 @@ class PolicyConfig:
     goodput_margin: float = 0.03  # drafting must measure this much less than off to be vetoed
 
 
-class _Fit:
-    """y = w . (1, x_1, .., x_n) by decayed least squares, every w >= 0.
-
-    `add` only accumulates (plain floats: it runs every round); `solve` (every few rounds)
-    refits, and `coefficients` are the last fit's. A coefficient the data cannot tell apart (its feature has not varied lately)
-    keeps its last estimate: a small ridge pulls it toward that, not toward 0.
-    """
-
-    def __init__(self, num_features: int, decay: float):
-        size = num_features + 1
-        self.decay = decay
-        # The sums are kept undecayed, each round's terms weighted by 1 / decay^t instead
-        # (`_weight`), so a round adds the upper triangle and touches nothing else.
-        self.xtx = [[0.0] * size for _ in range(size)]
-        self.xty = [0.0] * size
-        self._weight = 1.0
-        self.w = np.zeros(size)
-        self._coefficients = tuple(float(v) for v in self.w)
-
-    def add(self, features: Seq[float], y: float) -> None:
-        self._weight /= self.decay
-        x, weight = (1.0, *features), self._weight
-        for i, xi in enumerate(x):
-            row, wx = self.xtx[i], weight * xi
-            for j in range(i, len(x)):
-                row[j] += wx * x[j]
-            self.xty[i] += wx * y
-        if weight > 1e100:  # fold the weight back into the sums before it overflows
-            self.xtx = [[v / weight for v in row] for row in self.xtx]
-            self.xty = [v / weight for v in self.xty]
-            self._weight = 1.0
-
-    def solve(self) -> tuple[float, ...]:
-        upper = np.array(self.xtx) / self._weight
-        xtx, xty = np.triu(upper) + np.triu(upper, 1).T, np.array(self.xty) / self._weight
-        ridge = 1e-6 * (np.trace(xtx) + 1.0) * np.eye(len(xty))
-        self.w = np.maximum(np.linalg.solve(xtx + ridge, xty + ridge @ self.w), 0.0)
-        self._coefficients = tuple(float(v) for v in self.w)
-        return self._coefficients
-
-    def coefficients(self) -> tuple[float, ...]:
-        return self._coefficients
-
-
-@dataclass
-class _Acceptance:
-    """Decayed per-depth counts (index d is depth d + 1): asked[d] drafts that could reach
-    depth d + 1 (the budget allowed it and the tree reached depth d), drafted[d] of them did;
-    tries[d] drafts that reached depth d + 1 with every token above it kept, kept[d] of them
-    kept it too."""
-
-    asked: np.ndarray
-    drafted: np.ndarray
-    tries: np.ndarray
-    kept: np.ndarray
-
-    @classmethod
-    def empty(cls, depth: int) -> _Acceptance:
-        return cls(np.zeros(depth), np.zeros(depth), np.zeros(depth), np.zeros(depth))
-
-    def add(self, budget_depth: int, tree_depth: int, accepted: int, decay: float) -> None:
-        reached = min(accepted + 1, tree_depth)  # depths tried: all kept ones and the first lost
-        for counts in (self.asked, self.drafted, self.tries, self.kept):
-            counts *= decay
-        self.asked[: min(tree_depth + 1, budget_depth)] += 1
-        self.drafted[:tree_depth] += 1
-        self.tries[:reached] += 1
-        self.kept[:accepted] += 1
-
-
 @dataclass
 class PolicyStats:
     """For /metrics: chosen depths, and predicted vs measured committed tokens."""
@@ -173,13 +89,13 @@ class SpeculationPolicy:
     def __init__(self, ceiling: TreeBudget, config: PolicyConfig | None = None):
         self.ceiling, self.config = ceiling, config or PolicyConfig()
         depth = max(ceiling.max_depth, 1)
-        self.glob = _Acceptance.empty(depth)
-        self.seqs: dict[int, _Acceptance] = {}
+        self.glob = DraftCounts.empty(depth)
+        self.seqs: dict[int, DraftCounts] = {}
         # Round seconds (collect aside) = a + b * tokens in the forward + r * sequences asked to
         # draft (their deltas, answers, bookkeeping) + s * sequences whose tree has drafts (its
         # packing, walk, ...); collect seconds = c + e * deepest budget.
-        self.verify_cost = _Fit(3, self.config.cost_decay)
-        self.draft_cost = _Fit(1, self.config.cost_decay)
+        self.verify_cost = CostFit(3, self.config.cost_decay)
+        self.draft_cost = CostFit(1, self.config.cost_decay)
         self.deepest_seen = 0  # the drafter may draft less than the ceiling: never plan past it + 1
         self.rounds = 0
         self._solved: tuple[int, float] | None = None  # (deepest budget, ratio) of the last full solve
@@ -300,7 +216,7 @@ class SpeculationPolicy:
             # A tree shorter than its budget (a lookup that matched little, or nothing: depth 0)
             # counts in `drafted`, not as tokens lost: asking cost less than the budget's nodes.
             self.deepest_seen = max(self.deepest_seen, depth)
-            own = self.seqs.setdefault(seq_id, _Acceptance.empty(len(self.glob.tries)))
+            own = self.seqs.setdefault(seq_id, DraftCounts.empty(len(self.glob.tries)))
             own.add(budget_depth, depth, accepted, config.sequence_decay)
             self.glob.add(budget_depth, depth, accepted, config.global_decay)
         self.verify_cost.add((forward_tokens, asked, drafted), round_s)
@@ -372,8 +288,9 @@ class SpeculationPolicy:
         Depths past the deepest tree ever drafted (+1, to find out) earn nothing."""
         g = self.glob
         own = [self.seqs.get(s) for s in seq_ids]
-        drafts = self._rates(own, "drafted", "asked", 1.0)  # [B, K]
-        keeps = self._rates(own, "kept", "tries", 0.5)
+        prior = self.config.prior_strength
+        drafts = shrunk_rates(own, g, "drafted", "asked", 1.0, prior)  # [B, K]
+        keeps = shrunk_rates(own, g, "kept", "tries", 0.5, prior)
         keeps[:, max(self.deepest_seen + 1, 1) :] = 0.0
         ones = np.ones((len(seq_ids), 1))
         tokens = np.concatenate([ones, 1.0 + np.cumsum(np.cumprod(drafts * keeps, axis=1), axis=1)], axis=1)
@@ -383,21 +300,6 @@ class SpeculationPolicy:
         return np.stack(
             [tokens, np.concatenate([ones, nodes], axis=1), np.concatenate([0 * ones, some], axis=1)], axis=1
         )
-
-    def _rates(self, own: list[_Acceptance | None], hits: str, trials: str, first: float) -> np.ndarray:
-        """[B, K]: per sequence and depth, hits / trials shrunk as `_gains` says; `first`: the
-        weak anchor above depth 1."""
-        g, prior = self.glob, self.config.prior_strength
-        zero = np.zeros_like(g.tries)
-        num = np.stack([getattr(o, hits) if o is not None else zero for o in own])
-        den = np.stack([getattr(o, trials) if o is not None else zero for o in own])
-        glob_num, glob_den = getattr(g, hits), getattr(g, trials)
-        rate = np.empty_like(num)
-        above = np.full(len(own), first)
-        for d in range(num.shape[1]):
-            anchor = (glob_num[d] + prior * above) / (glob_den[d] + prior)
-            rate[:, d] = above = (num[:, d] + prior * anchor) / (den[:, d] + prior)
-        return rate
 
     def _warming_up(self) -> bool:
         return self.rounds < (self.ceiling.max_depth + 1) * self.config.warmup_cycles

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from outrider.proto import TreeBudget
-from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy, _Fit
+from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy
 
 CEILING = TreeBudget(max_nodes=9, max_depth=8, top_k=1)
 
@@ -180,17 +180,6 @@ def test_predicted_and_measured_tokens_are_kept_for_metrics():
         stats.measured_tokens, rel=0.3
     )
     assert sum(stats.depth_counts) == 50
-
-
-def test_the_cost_fit():
-    fit = _Fit(2, decay=1.0)
-    for x in range(1, 20):
-        fit.add((x, x % 3), 0.5 + 0.25 * x + 0.125 * (x % 3))
-    assert fit.solve() == pytest.approx((0.5, 0.25, 0.125), rel=1e-3)
-    for _ in range(50):
-        fit.add((4, 1), 0.5 + 0.25 * 4 + 0.125)  # one point, over and over: the slopes stay
-        fit.solve()
-    assert fit.coefficients() == pytest.approx((0.5, 0.25, 0.125), rel=1e-2)
 
 
 def test_a_drafter_that_finds_nothing_is_turned_off():

@@ -1,0 +1,100 @@
+"""The speculation policy's estimators (`spec_policy`): a decayed least-squares cost fit, and
+decayed per-depth counts of what a drafter drafts and what of it is kept."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class CostFit:
+    """y = w . (1, x_1, .., x_n) by decayed least squares, every w >= 0.
+
+    `add` only accumulates (plain floats: it runs every round); `solve` (every few rounds)
+    refits, and `coefficients` are the last fit's. A coefficient the data cannot tell apart
+    (its feature has not varied lately) keeps its last estimate: a small ridge pulls it
+    toward that, not toward 0.
+    """
+
+    def __init__(self, num_features: int, decay: float):
+        size = num_features + 1
+        self.decay = decay
+        # The sums are kept undecayed, each round's terms weighted by 1 / decay^t instead
+        # (`_weight`), so a round adds the upper triangle and touches nothing else.
+        self.xtx = [[0.0] * size for _ in range(size)]
+        self.xty = [0.0] * size
+        self._weight = 1.0
+        self.w = np.zeros(size)
+        self._coefficients = tuple(float(v) for v in self.w)
+
+    def add(self, features: Seq[float], y: float) -> None:
+        self._weight /= self.decay
+        x, weight = (1.0, *features), self._weight
+        for i, xi in enumerate(x):
+            row, wx = self.xtx[i], weight * xi
+            for j in range(i, len(x)):
+                row[j] += wx * x[j]
+            self.xty[i] += wx * y
+        if weight > 1e100:  # fold the weight back into the sums before it overflows
+            self.xtx = [[v / weight for v in row] for row in self.xtx]
+            self.xty = [v / weight for v in self.xty]
+            self._weight = 1.0
+
+    def solve(self) -> tuple[float, ...]:
+        upper = np.array(self.xtx) / self._weight
+        xtx, xty = np.triu(upper) + np.triu(upper, 1).T, np.array(self.xty) / self._weight
+        ridge = 1e-6 * (np.trace(xtx) + 1.0) * np.eye(len(xty))
+        self.w = np.maximum(np.linalg.solve(xtx + ridge, xty + ridge @ self.w), 0.0)
+        self._coefficients = tuple(float(v) for v in self.w)
+        return self._coefficients
+
+    def coefficients(self) -> tuple[float, ...]:
+        return self._coefficients
+
+
+@dataclass
+class DraftCounts:
+    """Decayed per-depth counts (index d is depth d + 1): asked[d] drafts that could reach
+    depth d + 1 (the budget allowed it and the tree reached depth d), drafted[d] of them did;
+    tries[d] drafts that reached depth d + 1 with every token above it kept, kept[d] of them
+    kept it too."""
+
+    asked: np.ndarray
+    drafted: np.ndarray
+    tries: np.ndarray
+    kept: np.ndarray
+
+    @classmethod
+    def empty(cls, depth: int) -> DraftCounts:
+        return cls(np.zeros(depth), np.zeros(depth), np.zeros(depth), np.zeros(depth))
+
+    def add(self, budget_depth: int, tree_depth: int, accepted: int, decay: float) -> None:
+        reached = min(accepted + 1, tree_depth)  # depths tried: all kept ones and the first lost
+        for counts in (self.asked, self.drafted, self.tries, self.kept):
+            counts *= decay
+        self.asked[: min(tree_depth + 1, budget_depth)] += 1
+        self.drafted[:tree_depth] += 1
+        self.tries[:reached] += 1
+        self.kept[:accepted] += 1
+
+
+def shrunk_rates(
+    own: list[DraftCounts | None], glob: DraftCounts, hits: str, trials: str, first: float, prior: float
+) -> np.ndarray:
+    """[B, K]: per sequence and depth, its counts' `hits` / `trials` plus `prior`
+    pseudo-observations of an anchor: the batch-wide rate at that depth (`glob`), itself shrunk
+    toward the sequence's own rate at the depth above (`first` above depth 1). So a new
+    sequence starts from the batch, and an undrafted depth is expected to do about as well
+    as the one above it."""
+    zero = np.zeros_like(glob.tries)
+    num = np.stack([getattr(o, hits) if o is not None else zero for o in own])
+    den = np.stack([getattr(o, trials) if o is not None else zero for o in own])
+    glob_num, glob_den = getattr(glob, hits), getattr(glob, trials)
+    rate = np.empty_like(num)
+    above = np.full(len(own), first)
+    for d in range(num.shape[1]):
+        anchor = (glob_num[d] + prior * above) / (glob_den[d] + prior)
+        rate[:, d] = above = (num[:, d] + prior * anchor) / (den[:, d] + prior)
+    return rate
