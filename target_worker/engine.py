@@ -389,13 +389,15 @@ class Engine:
         going = [s for s in verified if s.decoding and not s.finished]
         limits = [s.tree_budget(self.tree_budget) for s in going]
         budgets = self.policy.budgets([s.seq_id for s in going], limits, self._next_prefill_tokens())
-        updates = []
+        updates, sent = [], 0
         for seq, budget in zip(going, budgets, strict=True):
             seq.budget, seq.asked = budget, budget.max_depth > 0
             if seq.asked:
+                sent += len(seq.tokens) - seq.num_sent
                 seq.tree_round = self.round + 1
                 features = torch.cat(seq.unsent_features) if self.capture else None
                 updates.append(self._delta(seq, budget, features, finished=False))
+        self.policy.sent(sent)
         for seq in finished:
             self.policy.forget(seq.seq_id)
         updates += [self._delta(s, _FINISHED_BUDGET, None, finished=True) for s in finished if s.num_sent]

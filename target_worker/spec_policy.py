@@ -12,17 +12,20 @@ batch's expected committed tokens per second is highest:
 - alpha_s,d: the chance a draft reaching depth d - 1 also keeps depth d, and delta_s,d the
   chance the drafter drafts depth d at all when its budget allows (a lookup drafter matches
   nothing, or less than asked, most rounds on some text), per sequence, from decayed counts
-  shrunk toward the batch-wide estimates while the sequence is new; nodes_s(k) is the
-  budget's nodes scaled by the expected share of its depth the drafter fills, so asking a
-  drafter that mostly proposes nothing costs little;
+  shrunk toward the batch-wide estimates while the sequence is new; nodes_s(k) is the depth
+  the drafter is expected to fill times the nodes per depth its trees carried (at most the
+  budget's), so asking a drafter that mostly proposes nothing, or
+  narrower trees than allowed, costs what it drafts;
 - verify(N, A, D) = a + b N + r A + s D: a round's seconds outside `collect` against the
   tokens its forward carries (prefill chunks included), the A sequences asked to draft
   (their deltas, answers and bookkeeping) and the D of them whose trees carry drafts (their
   packing, walk, and on a CPU the step from a one-token forward to a many-token one), fitted
   online; a sequence asked adds r + s x the chance its drafter proposes anything;
-  draft(m) = c + e m: the time the engine
-  waits in `collect` when the deepest budget is m (in-process drafting runs there; a remote
-  drafter costs only what the engine waits for), 0 when no sequence drafts (no collect);
+  draft(m, u) = c + e m + g u: the time the engine
+  waits in `collect` when the deepest budget is m and the drafter was sent u tokens to
+  catch up on (in-process drafting runs there; a remote drafter costs only what the engine
+  waits for), 0 when no sequence drafts (no collect); a sequence drafting every round sends
+  the tokens it committed, so it adds g x tokens(k);
 - Dinkelbach's iteration finds the maximum; sequences not speculating are probed with
   depth 1 on shared rounds spaced by what a probe costs (`_probed`); the model is checked
   against measured goodput, and vetoed for a while where drafting rounds measure less than
@@ -93,10 +96,16 @@ class SpeculationPolicy:
         self.seqs: dict[int, DraftCounts] = {}
         # Round seconds (collect aside) = a + b * tokens in the forward + r * sequences asked to
         # draft (their deltas, answers, bookkeeping) + s * sequences whose tree has drafts (its
-        # packing, walk, ...); collect seconds = c + e * deepest budget.
+        # packing, walk, ...); collect seconds = c + e * deepest budget + g * tokens the
+        # drafter was sent (a probe after a long pause catches up on them all).
         self.verify_cost = CostFit(3, self.config.cost_decay)
-        self.draft_cost = CostFit(1, self.config.cost_decay)
+        self.draft_cost = CostFit(2, self.config.cost_decay)
+        self._sent = 0  # tokens sent with the requests the next collect answers
         self.deepest_seen = 0  # the drafter may draft less than the ceiling: never plan past it + 1
+        # Decayed: draft nodes the trees carried, and their depths. Their ratio is the drafter's
+        # width (a lookup's tree is as wide as its matches, not its budget): a tree's expected
+        # nodes are its expected depth times it. Starts as one tree of the ceiling's width.
+        self._tree_nodes, self._tree_depths = (ceiling.max_nodes - 1) / depth, 1.0
         self.rounds = 0
         self._solved: tuple[int, float] | None = None  # (deepest budget, ratio) of the last full solve
         self._solve_interval, self._next_solve = self.config.resolve_every, 0
@@ -111,8 +120,9 @@ class SpeculationPolicy:
         self._off_probe = False  # the planned round is an off probe (not to be probed either)
         self._chain = 0  # kept probes in a row since speculation was last on
         # Probe rounds while off: whether the planned round is one, and what a probe round
-        # costs beyond a round without drafts (plain-equivalent tokens, as `_goodput`; catching
-        # the drafter up included), averaged.
+        # costs beyond a round without drafts (plain-equivalent tokens, as `_goodput`),
+        # averaged; but for the drafter's catching up on the tokens since the last probe,
+        # which costs the same per round however probes are spaced.
         self._probing, self._probe_extra = False, None  # None: not measured yet
         self._gain_rows: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (round, its `_gains` rows)
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
@@ -170,8 +180,10 @@ class SpeculationPolicy:
         deepest_budget: int,
         draft_wait_s: float,
         prefill_tokens: int = 0,
+        draft_nodes: Seq[int] | None = None,
     ) -> None:
-        """One round's evidence: each verified sequence's draft outcome, and what it cost."""
+        """One round's evidence: each verified sequence's draft outcome, and what it cost;
+        `draft_nodes`, each tree's nodes below the root (None: chains, as deep as many)."""
         self.rounds += 1
         config = self.config
         # What plain decoding would have committed in this round's time: B tokens per verify(B).
@@ -184,15 +196,20 @@ class SpeculationPolicy:
             for i, value in enumerate(evidence):
                 kept[i] = config.goodput_decay * kept[i] + value
         off = self._goodput[False]
+        # The drafter's catching up on what it was sent (a probe's: every token since the last
+        # one), plain-equivalent: a pause's cost, not the probe's.
+        worth -= self.draft_cost.coefficients()[2] * self._sent * len(outcomes) / (plain_s or 1.0)
         if self._probing and not prefill_tokens and off[2] > 0:
-            extra = max(0.0, evidence[1] - off[1] / off[2])
+            extra = max(0.0, worth - off[1] / off[2])
             self._probe_extra = extra if self._probe_extra is None else 0.5 * (self._probe_extra + extra)
         self._probing = False
         # Whether this round (a probe, while speculation is off) measured at least the goodput
         # of rounds without drafts (true until those are measured).
-        probe_paid = off[2] < config.off_min_rounds or evidence[0] * off[1] >= off[0] * evidence[1]
+        probe_paid = off[2] < config.off_min_rounds or evidence[0] * off[1] >= off[0] * max(worth, 0.0)
         asked = drafted = 0
-        for seq_id, budget_depth, depth, accepted, committed in outcomes:
+        self._tree_nodes *= config.global_decay
+        self._tree_depths *= config.global_decay
+        for i, (seq_id, budget_depth, depth, accepted, committed) in enumerate(outcomes):
             predicted = self._predicted.pop(seq_id, None)
             if predicted is not None:
                 self.stats.predicted_tokens += predicted
@@ -216,12 +233,21 @@ class SpeculationPolicy:
             # A tree shorter than its budget (a lookup that matched little, or nothing: depth 0)
             # counts in `drafted`, not as tokens lost: asking cost less than the budget's nodes.
             self.deepest_seen = max(self.deepest_seen, depth)
+            if depth:
+                self._tree_nodes += depth if draft_nodes is None else draft_nodes[i]
+                self._tree_depths += depth
             own = self.seqs.setdefault(seq_id, DraftCounts.empty(len(self.glob.tries)))
             own.add(budget_depth, depth, accepted, config.sequence_decay)
             self.glob.add(budget_depth, depth, accepted, config.global_decay)
         self.verify_cost.add((forward_tokens, asked, drafted), round_s)
         if deepest_budget > 0:  # with no budget anywhere the engine does not collect at all
-            self.draft_cost.add((deepest_budget,), draft_wait_s)
+            self.draft_cost.add((deepest_budget, self._sent), draft_wait_s)
+        self._sent = 0
+
+    def sent(self, tokens: int) -> None:
+        """The tokens the drafter was just sent with its requests (what it must catch up on
+        before drafting), for the draft-cost fit."""
+        self._sent = tokens
 
     def observe_round(
         self,
@@ -246,8 +272,9 @@ class SpeculationPolicy:
             for b, (seq, tree) in enumerate(zip(verified, trees, strict=True))
         ]
         tokens = int(plan.trees.cu_num_draft_tokens[-1]) + plan.num_prefill_tokens
+        nodes = [tree.parents.shape[0] - 1 for tree in trees]
         self.observe(
-            outcomes, tokens, round_s, max(budgets, default=0), draft_wait_s, plan.num_prefill_tokens
+            outcomes, tokens, round_s, max(budgets, default=0), draft_wait_s, plan.num_prefill_tokens, nodes
         )
 
     def forget(self, seq_id: int) -> None:
@@ -283,7 +310,10 @@ class SpeculationPolicy:
         do about as well as the one above it (so it gets tried when that one pays). Then
 
             tokens(k) = 1 + sum_{i <= k} prod_{d <= i} drafts_d keeps_d
-            nodes(k)  = 1 + (budget nodes(k) - 1) x (sum_{i <= k} prod_{d <= i} drafts_d) / k
+            nodes(k)  = 1 + min(width x sum_{i <= k} prod_{d <= i} drafts_d, budget nodes(k) - 1)
+
+        where width is the draft nodes per depth the drafter's trees carried (one pseudo-tree
+        of the ceiling's width, so it starts there), at most the budget's nodes.
 
         Depths past the deepest tree ever drafted (+1, to find out) earn nothing."""
         g = self.glob
@@ -294,8 +324,9 @@ class SpeculationPolicy:
         keeps[:, max(self.deepest_seen + 1, 1) :] = 0.0
         ones = np.ones((len(seq_ids), 1))
         tokens = np.concatenate([ones, 1.0 + np.cumsum(np.cumprod(drafts * keeps, axis=1), axis=1)], axis=1)
-        filled = np.cumsum(np.cumprod(drafts, axis=1), axis=1) / np.arange(1, g.tries.shape[0] + 1)
-        nodes = 1.0 + (self._nodes[None, 1:] - 1.0) * filled
+        depth = np.cumsum(np.cumprod(drafts, axis=1), axis=1)  # expected depth drafted
+        width = self._tree_nodes / self._tree_depths
+        nodes = 1.0 + np.minimum(width * depth, self._nodes[None, 1:] - 1.0)
         some = np.repeat(drafts[:, :1], drafts.shape[1], axis=1)
         return np.stack(
             [tokens, np.concatenate([ones, nodes], axis=1), np.concatenate([0 * ones, some], axis=1)], axis=1
@@ -325,9 +356,10 @@ class SpeculationPolicy:
             self.verify_cost.solve()
             self.draft_cost.solve()
         a, b, ask, overhead = self.verify_cost.coefficients()
-        c, e = self.draft_cost.coefficients()
+        c, e, g = self.draft_cost.coefficients()
         ks = np.arange(gain.shape[1])
-        per_seq = b * nodes + ask * (ks > 0) + overhead * some  # [B, K + 1] seconds a sequence adds
+        # [B, K + 1] seconds a sequence adds (drafting every round, it sends what it commits)
+        per_seq = b * nodes + ask * (ks > 0) + overhead * some + g * gain * (ks > 0)
         ms = ks if due else np.array([self._solved[0]])  # the deepest budgets to weigh: [M]
         allowed = ks[None, None, :] <= np.minimum(
             np.array(ceiling)[None, :, None], ms[:, None, None]

@@ -241,3 +241,46 @@ def test_measured_goodput_vetoes_drafts_the_cost_model_favours_then_retries_them
     back = len(first) - 8 + len(second) - stretches[::-1].index(max(stretches))
     # Fast now: drafting stays (off probes aside).
     assert sum(drafting[back:]) >= len(drafting) - back - 4
+
+
+def test_trees_narrower_than_their_budget_are_priced_by_the_nodes_they_carry():
+    """A budget of 6 nodes per depth, and a drafter that drafts chains (1 node per depth, as a
+    lookup's tree is as wide as its matches) kept 90% of the time, verify 1 ms + 1 ms a token:
+    chains of 2-4 pay (2.7 tokens for 4 ms at depth 2, 3.4 for 5 ms at 3, against 1 for 2 ms).
+    Priced at the budget's width (7 nodes at depth 1, 13 at depth 2) none would."""
+    wide = TreeBudget(max_nodes=25, max_depth=4, top_k=6)
+    policy, rng, k, given = SpeculationPolicy(wide), random.Random(2), 4, []
+    for _ in range(200):
+        kept = 0
+        while kept < k and rng.random() < 0.9:
+            kept += 1
+        outcome = [(0, k, k, kept, kept + 1)]
+        policy.observe(outcome, 1 + k, 1e-3 * (2 + k), k, 0.0, draft_nodes=[k])
+        k = policy.budgets([0], [wide], 0)[0].max_depth
+        given.append(k)
+    assert sum(k >= 2 for k in given[100:]) >= 90
+
+
+def test_a_drafter_catching_up_after_a_pause_is_not_priced_as_if_it_always_did():
+    """The drafter's wait grows with the tokens it was sent (0.2 ms each: a probe after 30
+    rounds off catches up on 30 tokens). Drafts are lost for a while, so speculation is off and
+    only probes draft; then the text turns predictable (kept 90%): drafting every round sends
+    ~5 tokens a round and pays, so the policy drafts deep again. Fitting the probes' waits as
+    a fixed cost per round (6 ms) would keep it off."""
+    policy, rng = SpeculationPolicy(CEILING), random.Random(3)
+    unsent, sent, depths, late = 0, 0, [8], []
+    for i in range(700):
+        keeps = 0.0 if i < 300 else 0.9
+        k, kept = depths[0], 0
+        while kept < k and rng.random() < keeps:
+            kept += 1
+        unsent += kept + 1
+        wait = 1e-4 + 1e-4 * k + 2e-4 * sent if k else 0.0
+        policy.observe([(0, k, k, kept, kept + 1)], 1 + k, 1e-3 + 2e-4 * (1 + k), k, wait)
+        depths = [b.max_depth for b in policy.budgets([0], [CEILING], 0)]
+        sent = unsent if depths[0] else 0
+        unsent -= sent
+        policy.sent(sent)
+        if i >= 500:
+            late.append(depths[0])
+    assert sum(k >= 4 for k in late) >= 170
