@@ -120,9 +120,9 @@ class SpeculationPolicy:
         self._off_probe = False  # the planned round is an off probe (not to be probed either)
         self._chain = 0  # kept probes in a row since speculation was last on
         # Probe rounds while off: whether the planned round is one, and what a probe round
-        # costs beyond a round without drafts (plain-equivalent tokens, as `_goodput`),
-        # averaged; but for the drafter's catching up on the tokens since the last probe,
-        # which costs the same per round however probes are spaced.
+        # costs beyond a round without drafts (plain-equivalent tokens, as `_goodput`; catching
+        # the drafter up included: probes spaced wider catch up on more, so a drafter whose
+        # catching up alone costs more than `probe_share` is probed at the widest spacing).
         self._probing, self._probe_extra = False, None  # None: not measured yet
         self._gain_rows: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (round, its `_gains` rows)
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
@@ -196,15 +196,14 @@ class SpeculationPolicy:
             for i, value in enumerate(evidence):
                 kept[i] = config.goodput_decay * kept[i] + value
         off = self._goodput[False]
-        # The drafter's catching up on what it was sent (a probe's: every token since the last
-        # one), plain-equivalent: a pause's cost, not the probe's.
-        worth -= self.draft_cost.coefficients()[2] * self._sent * len(outcomes) / (plain_s or 1.0)
         if self._probing and not prefill_tokens and off[2] > 0:
             extra = max(0.0, worth - off[1] / off[2])
             self._probe_extra = extra if self._probe_extra is None else 0.5 * (self._probe_extra + extra)
         self._probing = False
         # Whether this round (a probe, while speculation is off) measured at least the goodput
-        # of rounds without drafts (true until those are measured).
+        # of rounds without drafts (true until those are measured), but for the drafter's
+        # catching up on every token since the last probe: the pause's cost, not drafting's.
+        worth -= self.draft_cost.coefficients()[2] * self._sent * len(outcomes) / (plain_s or 1.0)
         probe_paid = off[2] < config.off_min_rounds or evidence[0] * off[1] >= off[0] * max(worth, 0.0)
         asked = drafted = 0
         self._tree_nodes *= config.global_decay
