@@ -1,5 +1,6 @@
-"""The speculation policy's estimators (`spec_policy`): a decayed least-squares cost fit, and
-decayed per-depth counts of what a drafter drafts and what of it is kept."""
+"""The speculation policy's estimators (`spec_policy`): a decayed least-squares cost fit,
+decayed per-depth counts of what a drafter drafts and what of it is kept, and what a budget
+is expected to earn and cost from them."""
 
 from __future__ import annotations
 
@@ -98,3 +99,38 @@ def shrunk_rates(
         anchor = (glob_num[d] + prior * above) / (glob_den[d] + prior)
         rate[:, d] = above = (num[:, d] + prior * anchor) / (den[:, d] + prior)
     return rate
+
+
+def expected_gains(
+    own: list[DraftCounts | None],
+    glob: DraftCounts,
+    prior: float,
+    deepest_seen: int,
+    width: float,
+    budget_nodes: np.ndarray,
+) -> np.ndarray:
+    """[B, 3, K + 1]: per sequence (`own` counts, None for a new one) and depth budget
+    0 .. K, the expected committed tokens, the expected nodes verified, and the chance the
+    tree has any draft at all.
+
+    Two rates per sequence and depth d (`shrunk_rates`, `prior` pseudo-observations): that
+    the drafter drafts depth d when its budget allows (a lookup drafter often matches
+    nothing, or less than asked), and that a drafted token at depth d is kept (all above it
+    kept). Then
+
+        tokens(k) = 1 + sum_{i <= k} prod_{d <= i} drafts_d keeps_d
+        nodes(k)  = 1 + min(width x sum_{i <= k} prod_{d <= i} drafts_d, budget_nodes[k] - 1)
+
+    `width`: the draft nodes per depth the drafter's trees carried. Depths past
+    `deepest_seen` + 1 (the deepest tree ever drafted, and one more to find out) earn nothing."""
+    drafts = shrunk_rates(own, glob, "drafted", "asked", 1.0, prior)  # [B, K]
+    keeps = shrunk_rates(own, glob, "kept", "tries", 0.5, prior)
+    keeps[:, max(deepest_seen + 1, 1) :] = 0.0
+    ones = np.ones((len(own), 1))
+    tokens = np.concatenate([ones, 1.0 + np.cumsum(np.cumprod(drafts * keeps, axis=1), axis=1)], axis=1)
+    depth = np.cumsum(np.cumprod(drafts, axis=1), axis=1)  # expected depth drafted
+    nodes = 1.0 + np.minimum(width * depth, budget_nodes[None, 1:] - 1.0)
+    some = np.repeat(drafts[:, :1], drafts.shape[1], axis=1)
+    return np.stack(
+        [tokens, np.concatenate([ones, nodes], axis=1), np.concatenate([0 * ones, some], axis=1)], axis=1
+    )

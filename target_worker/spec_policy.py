@@ -10,22 +10,17 @@ batch's expected committed tokens per second is highest:
     maximise       sum_s tokens(k_s) / seconds
 
 - alpha_s,d: the chance a draft reaching depth d - 1 also keeps depth d, and delta_s,d the
-  chance the drafter drafts depth d at all when its budget allows (a lookup drafter matches
-  nothing, or less than asked, most rounds on some text), per sequence, from decayed counts
-  shrunk toward the batch-wide estimates while the sequence is new; nodes_s(k) is the depth
-  the drafter is expected to fill times the nodes per depth its trees carried (at most the
-  budget's), so asking a drafter that mostly proposes nothing, or
-  narrower trees than allowed, costs what it drafts;
+  chance the drafter drafts depth d at all when its budget allows, per sequence, shrunk
+  toward the batch-wide estimates while the sequence is new; nodes_s(k) is the depth the
+  drafter is expected to fill times the nodes per depth its trees carried (at most the
+  budget's): a drafter that mostly proposes nothing, or narrower trees than allowed, costs
+  what it drafts (`policy_estimates.expected_gains`);
 - verify(N, A, D) = a + b N + r A + s D: a round's seconds outside `collect` against the
-  tokens its forward carries (prefill chunks included), the A sequences asked to draft
-  (their deltas, answers and bookkeeping) and the D of them whose trees carry drafts (their
-  packing, walk, and on a CPU the step from a one-token forward to a many-token one), fitted
-  online; a sequence asked adds r + s x the chance its drafter proposes anything;
-  draft(m, u) = c + e m + g u: the time the engine
-  waits in `collect` when the deepest budget is m and the drafter was sent u tokens to
-  catch up on (in-process drafting runs there; a remote drafter costs only what the engine
-  waits for), 0 when no sequence drafts (no collect); a sequence drafting every round sends
-  the tokens it committed, so it adds g x tokens(k);
+  tokens its forward carries (prefill chunks included), the A sequences asked to draft and
+  the D of them whose trees carry drafts, fitted online; draft(m, U) = c + e m + g U: the
+  time the engine waits in `collect` when the deepest budget is m and the drafter was sent U
+  tokens to catch up on (a sequence drafting every round sends what it committed), 0 when
+  no sequence drafts;
 - Dinkelbach's iteration finds the maximum; sequences not speculating are probed with
   depth 1 on shared rounds spaced by what a probe costs (`_probed`); the model is checked
   against measured goodput, and vetoed for a while where drafting rounds measure less than
@@ -44,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from outrider.proto import CandidateTree, TreeBudget
-from outrider.target_worker.policy_estimates import CostFit, DraftCounts, shrunk_rates
+from outrider.target_worker.policy_estimates import CostFit, DraftCounts, expected_gains
 from outrider.target_worker.round_plan import RoundPlan, tree_depth
 
 if TYPE_CHECKING:
@@ -297,38 +292,11 @@ class SpeculationPolicy:
         return rows[:, 0], rows[:, 1], rows[:, 2]
 
     def _gains(self, seq_ids: Seq[int]) -> np.ndarray:
-        """[B, 3, K + 1]: per depth budget 0 .. ceiling, the expected committed tokens, the
-        expected nodes verified, and the chance the tree has any draft at all.
-
-        Two rates per sequence and depth d: that the drafter drafts depth d when its budget
-        allows (a lookup drafter often matches nothing, or less than asked), and that a
-        drafted token at depth d is kept (all above it kept). Each is the sequence's decayed
-        counts plus `prior_strength` pseudo-observations of an anchor: the batch-wide counts
-        at depth d, themselves shrunk toward the sequence's own rate at depth d - 1. So a new
-        sequence starts from the batch, and a depth nobody has drafted lately is expected to
-        do about as well as the one above it (so it gets tried when that one pays). Then
-
-            tokens(k) = 1 + sum_{i <= k} prod_{d <= i} drafts_d keeps_d
-            nodes(k)  = 1 + min(width x sum_{i <= k} prod_{d <= i} drafts_d, budget nodes(k) - 1)
-
-        where width is the draft nodes per depth the drafter's trees carried (one pseudo-tree
-        of the ceiling's width, so it starts there), at most the budget's nodes.
-
-        Depths past the deepest tree ever drafted (+1, to find out) earn nothing."""
-        g = self.glob
+        """[B, 3, K + 1]: `policy_estimates.expected_gains` of these sequences."""
         own = [self.seqs.get(s) for s in seq_ids]
-        prior = self.config.prior_strength
-        drafts = shrunk_rates(own, g, "drafted", "asked", 1.0, prior)  # [B, K]
-        keeps = shrunk_rates(own, g, "kept", "tries", 0.5, prior)
-        keeps[:, max(self.deepest_seen + 1, 1) :] = 0.0
-        ones = np.ones((len(seq_ids), 1))
-        tokens = np.concatenate([ones, 1.0 + np.cumsum(np.cumprod(drafts * keeps, axis=1), axis=1)], axis=1)
-        depth = np.cumsum(np.cumprod(drafts, axis=1), axis=1)  # expected depth drafted
         width = self._tree_nodes / self._tree_depths
-        nodes = 1.0 + np.minimum(width * depth, self._nodes[None, 1:] - 1.0)
-        some = np.repeat(drafts[:, :1], drafts.shape[1], axis=1)
-        return np.stack(
-            [tokens, np.concatenate([ones, nodes], axis=1), np.concatenate([0 * ones, some], axis=1)], axis=1
+        return expected_gains(
+            own, self.glob, self.config.prior_strength, self.deepest_seen, width, self._nodes
         )
 
     def _warming_up(self) -> bool:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from outrider.target_worker.policy_estimates import CostFit, DraftCounts, shrunk_rates
+from outrider.target_worker.policy_estimates import CostFit, DraftCounts, expected_gains, shrunk_rates
 
 
 def test_the_cost_fit():
@@ -26,3 +26,22 @@ def test_rates_start_from_the_batch_and_move_to_the_sequence():
     rates = shrunk_rates([None, own], glob, "kept", "tries", 0.5, prior=4.0)
     assert rates[0, 0] == pytest.approx(1.0, abs=0.03) and rates[1, 0] == pytest.approx(0.0, abs=0.03)
     assert np.all(rates >= 0) and np.all(rates <= 1)
+
+
+def test_expected_gains_survive_along_the_draft_and_price_the_width_drafted():
+    """A drafter that always drafts every depth and sees all of it kept: tokens(k) = 1 + k;
+    its trees carry `width` nodes per depth, at most the budget's nodes; depths past the
+    deepest tree ever drafted (+1) earn nothing."""
+    glob = DraftCounts.empty(4)
+    for _ in range(300):
+        glob.add(4, 4, 4, 0.99)
+    budget = np.array([1.0, 3.0, 5.0, 7.0, 9.0])
+    tokens, nodes, some = expected_gains([None], glob, 4.0, 4, 2.0, budget)[0]
+    assert tokens == pytest.approx([1, 2, 3, 4, 5], abs=0.1)  # the prior pulls depth 1 toward 0.5
+    assert nodes == pytest.approx([1, 3, 5, 7, 9], abs=0.1) and some == pytest.approx(
+        [0, 1, 1, 1, 1], abs=0.02
+    )
+    _, narrow, _ = expected_gains([None], glob, 4.0, 4, 0.5, budget)[0]
+    assert narrow == pytest.approx([1, 1.5, 2, 2.5, 3], abs=0.05)
+    shallow, _, _ = expected_gains([None], glob, 4.0, 1, 2.0, budget)[0]
+    assert shallow == pytest.approx([1, 2, 3, 3, 3], abs=0.1)
