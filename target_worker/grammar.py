@@ -54,8 +54,11 @@ def choice_ebnf(choices: list[str]) -> str:
 
 
 # A bounded string's characters: no control character (JSON forbids them raw), no quote or
-# backslash (so no escape sequence either: a subset of the schema's strings, all valid JSON).
-_BOUNDED_CHARS = '[^\\x00-\\x1f"\\\\]'
+# backslash (so no escape sequence either: a subset of the schema's strings, all valid JSON),
+# and no UTF-16 surrogate: xgrammar 0.2.9 takes the bytes ED A0..BF xx for one character, but
+# they are not UTF-8, so the text decodes to three U+FFFD and a maxLength 8 string came back
+# 10 characters long (CI, 1 of 50 sampled outputs).
+_BOUNDED_CHARS = '[^\\x00-\\x1f"\\\\\\ud800-\\udfff]'
 
 
 def plain_bounded_strings(schema_source: str) -> str:
@@ -65,7 +68,8 @@ def plain_bounded_strings(schema_source: str) -> str:
     xgrammar 0.2.9 builds length-bounded strings from a rule that admits raw control
     characters, which JSON forbids: a tiny model sampled `"name": ") =: 0)) if\x12"` under
     maxLength 12 and json.loads refused it (its unbounded strings, and pattern strings, are
-    right). Upstream: mlc-ai/xgrammar issues 286 and 636."""
+    right). Upstream: mlc-ai/xgrammar issues 286 and 636. The pattern also leaves out the
+    surrogates, which xgrammar counts as characters and no UTF-8 decoder does."""
     schema = json.loads(schema_source)
 
     def visit(node):

@@ -131,4 +131,14 @@ def test_bounded_strings_admit_no_control_character(grammars, tokenizer):
     assert control and not allowed[control].any()
     assert allowed.sum() > 1000  # plain characters are still allowed
     source = json.loads(plain_bounded_strings(json.dumps(SCHEMA)))["properties"]["name"]
-    assert source == {"type": "string", "pattern": '^[^\\x00-\\x1f"\\\\]{0,8}$'}
+    assert source == {"type": "string", "pattern": '^[^\\x00-\\x1f"\\\\\\ud800-\\udfff]{0,8}$'}
+
+
+def test_bounded_strings_admit_no_surrogate(grammars, tokenizer):
+    """xgrammar 0.2.9 takes the bytes of a UTF-16 surrogate (ED A0 80) for one character; they
+    decode to three U+FFFD, so a sampled maxLength 8 name came back 10 characters long."""
+    prefix = tokenizer.encode('{"name": "', add_special_tokens=False)
+    for text, accepted in ((b"\xed\xa0\x80", False), ("é😀".encode(), True), (b"\xed\x9f\xbf", True)):
+        matcher = grammars.matcher(JSON_SCHEMA)
+        assert all(matcher.accept_token(t) for t in prefix)
+        assert matcher.accept_string(text) is accepted, text
