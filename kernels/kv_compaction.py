@@ -42,6 +42,8 @@ def compact_kv(
         return
     step = torch.arange(1, accepted_node_ids.shape[1] + 1, device=cache.device)
     moved = (accepted_node_ids >= 0) & (accepted_node_ids != step)
+    if not bool(moved.any()):  # every path already in place (a chain always is): nothing to copy
+        return
     src = slot_map.gather(1, accepted_node_ids.clamp(min=0))[moved]
     dst = slot_map[:, 1 : accepted_node_ids.shape[1] + 1][moved]
     # index_select copies first, so overlapping source and destination slots are safe.

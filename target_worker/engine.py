@@ -388,7 +388,8 @@ class Engine:
             return
         going = [s for s in verified if s.decoding and not s.finished]
         limits = [s.tree_budget(self.tree_budget) for s in going]
-        budgets = self.policy.budgets([s.seq_id for s in going], limits, self._next_prefill_tokens())
+        greedy = [s.params.temperature == 0 for s in going]
+        budgets = self.policy.budgets([s.seq_id for s in going], limits, self._next_prefill_tokens(), greedy)
         updates, sent = [], 0
         for seq, budget in zip(going, budgets, strict=True):
             seq.budget, seq.asked = budget, budget.max_depth > 0

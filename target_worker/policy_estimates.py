@@ -13,39 +13,48 @@ import numpy as np
 class CostFit:
     """y = w . (1, x_1, .., x_n) by decayed least squares, every w >= 0.
 
-    `add` only accumulates (plain floats: it runs every round); `solve` (every few rounds)
-    refits, and `coefficients` are the last fit's. A coefficient the data cannot tell apart
-    (its feature has not varied lately) keeps its last estimate: a small ridge pulls it
-    toward that, not toward 0.
+    `add` only records the row (it runs every round: an append, ~1 us); `solve` (every few
+    rounds) folds the rows recorded since into the sums with one matrix product and refits,
+    and `coefficients` are the last fit's. A coefficient the data cannot tell apart (its
+    feature has not varied lately) keeps its last estimate: a small ridge pulls it toward
+    that, not toward 0.
     """
 
     def __init__(self, num_features: int, decay: float):
         size = num_features + 1
         self.decay = decay
-        # The sums are kept undecayed, each round's terms weighted by 1 / decay^t instead
-        # (`_weight`), so a round adds the upper triangle and touches nothing else.
-        self.xtx = [[0.0] * size for _ in range(size)]
-        self.xty = [0.0] * size
+        # The sums are kept undecayed, each round's row weighted by 1 / decay^t instead
+        # (`_weight`), so a round adds its terms and touches nothing else.
+        self.xtx = np.zeros((size, size))
+        self.xty = np.zeros(size)
+        self._rows: list[tuple[float, ...]] = []  # (weight, 1, x_1, .., x_n, y) not yet folded in
         self._weight = 1.0
         self.w = np.zeros(size)
         self._coefficients = tuple(float(v) for v in self.w)
 
     def add(self, features: Seq[float], y: float) -> None:
         self._weight /= self.decay
-        x, weight = (1.0, *features), self._weight
-        for i, xi in enumerate(x):
-            row, wx = self.xtx[i], weight * xi
-            for j in range(i, len(x)):
-                row[j] += wx * x[j]
-            self.xty[i] += wx * y
-        if weight > 1e100:  # fold the weight back into the sums before it overflows
-            self.xtx = [[v / weight for v in row] for row in self.xtx]
-            self.xty = [v / weight for v in self.xty]
-            self._weight = 1.0
+        self._rows.append((self._weight, 1.0, *features, y))
+        if self._weight > 1e100 or len(self._rows) >= 1024:  # before the weight overflows
+            self._fold()
+            if self._weight > 1e100:
+                self.xtx /= self._weight
+                self.xty /= self._weight
+                self._weight = 1.0
+
+    def _fold(self) -> None:
+        if not self._rows:
+            return
+        rows = np.array(self._rows)
+        self._rows.clear()
+        weight, x, y = rows[:, 0], rows[:, 1:-1], rows[:, -1]
+        weighted = x.T * weight  # [size, rows]
+        self.xtx += weighted @ x
+        self.xty += weighted @ y
 
     def solve(self) -> tuple[float, ...]:
-        upper = np.array(self.xtx) / self._weight
-        xtx, xty = np.triu(upper) + np.triu(upper, 1).T, np.array(self.xty) / self._weight
+        self._fold()
+        xtx, xty = self.xtx / self._weight, self.xty / self._weight
         ridge = 1e-6 * (np.trace(xtx) + 1.0) * np.eye(len(xty))
         self.w = np.maximum(np.linalg.solve(xtx + ridge, xty + ridge @ self.w), 0.0)
         self._coefficients = tuple(float(v) for v in self.w)

@@ -33,12 +33,12 @@ batch's expected committed tokens per second is highest:
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from outrider.proto import CandidateTree, TreeBudget
+from outrider.target_worker.policy_config import PolicyConfig, PolicyStats
 from outrider.target_worker.policy_estimates import CostFit, DraftCounts, expected_gains
 from outrider.target_worker.round_plan import RoundPlan, tree_depth
 
@@ -49,46 +49,15 @@ if TYPE_CHECKING:
 NO_DRAFT = TreeBudget(max_nodes=1, max_depth=0, top_k=0)
 
 
-@dataclass(frozen=True)
-class PolicyConfig:
-    adaptive: bool = True  # False: every sequence drafts the ceiling (vLLM's fixed K)
-    probe_every: int = 16  # rounds between depth-1 probes of the sequences not speculating
-    max_probe_every: int = 256  # the spacing doubles up to this while speculation stays off
-    min_probe_every: int = 4  # the spacing of probes that cost next to nothing (see `_probed`)
-    prior_strength: float = 4.0  # pseudo-observations of the batch-wide estimate per depth
-    sequence_decay: float = 0.8  # per-observation decay of a sequence's counts (recent text matters)
-    global_decay: float = 0.995
-    cost_decay: float = 0.98  # per-round decay of the cost fits' sums (conditions drift)
-    resolve_every: int = 8  # rounds between full solves of the deepest budget and the ratio
-    gain_refresh: int = 4  # rounds a sequence's expected tokens and nodes are reused
-    max_resolve_every: int = 64  # the spacing doubles up to this while solves keep speculation off
-    probe_share: float = 0.01  # while off, probes may cost about this share of the time
-    warmup_cycles: int = 2  # rounds 0 .. (ceiling + 1) * cycles - 1 cycle the depth 0 .. ceiling
-    probe_chain: int = 32  # kept probes in a row that paid, before spacing them again
-    goodput_decay: float = 0.98  # per-round decay of the measured goodput of drafting / off rounds
-    goodput_min_rounds: float = 10.0  # decayed drafting rounds (bursty) before the check can veto
-    off_min_rounds: float = 3.0  # and rounds without drafts (steady: plain decoding)
-    goodput_margin: float = 0.03  # drafting must measure this much less than off to be vetoed
-
-
-@dataclass
-class PolicyStats:
-    """For /metrics: chosen depths, and predicted vs measured committed tokens."""
-
-    depth_counts: list[int] = field(default_factory=list)  # [d] = sequence-rounds given depth d
-    predicted_tokens: float = 0.0  # sum over verified sequence-rounds of tokens(k) predicted
-    measured_tokens: int = 0  # and of the tokens they committed
-    rounds_off: int = 0  # rounds in which no sequence drafted
-    vetoed_rounds: int = 0  # rounds the solver wanted drafts that measured goodput turned off
-    off_probes: int = 0  # rounds turned off to measure goodput without speculation
-
-
 class SpeculationPolicy:
     def __init__(self, ceiling: TreeBudget, config: PolicyConfig | None = None):
         self.ceiling, self.config = ceiling, config or PolicyConfig()
         depth = max(ceiling.max_depth, 1)
-        self.glob = DraftCounts.empty(depth)
+        # Batch-wide counts per sampling class (greedy: True): what greedy sequences keep says
+        # little about sampled ones, and a prior learnt at T = 0 must not carry to T = 1.
+        self.glob = {True: DraftCounts.empty(depth), False: DraftCounts.empty(depth)}
         self.seqs: dict[int, DraftCounts] = {}
+        self._greedy: dict[int, bool] = {}
         # Round seconds (collect aside) = a + b * tokens in the forward + r * sequences asked to
         # draft (their deltas, answers, bookkeeping) + s * sequences whose tree has drafts (its
         # packing, walk, ...); collect seconds = c + e * deepest budget + g * tokens the
@@ -127,10 +96,19 @@ class SpeculationPolicy:
 
     # ---- what the engine asks ------------------------------------------------------------
 
-    def budgets(self, seq_ids: Seq[int], limits: Seq[TreeBudget], prefill_tokens: int) -> list[TreeBudget]:
-        """Next round's budget per sequence; `limits` are each one's own ceiling (rows, max_tokens)."""
+    def budgets(
+        self,
+        seq_ids: Seq[int],
+        limits: Seq[TreeBudget],
+        prefill_tokens: int,
+        greedy: Seq[bool] | None = None,
+    ) -> list[TreeBudget]:
+        """Next round's budget per sequence; `limits` are each one's own ceiling (rows, max_tokens);
+        `greedy`, whether each decodes greedily (its batch-wide prior; None: all greedy)."""
         if not seq_ids:
             return []
+        if greedy is not None:
+            self._greedy.update(zip(seq_ids, greedy, strict=True))
         ceiling = [max(0, min(self.ceiling.max_depth, limit.max_depth)) for limit in limits]
         vetoed = self._vetoed()
         if not self.config.adaptive:  # fixed K: nothing to decide, nor to predict
@@ -230,9 +208,10 @@ class SpeculationPolicy:
             if depth:
                 self._tree_nodes += depth if draft_nodes is None else draft_nodes[i]
                 self._tree_depths += depth
-            own = self.seqs.setdefault(seq_id, DraftCounts.empty(len(self.glob.tries)))
+            glob = self.glob[self._greedy.get(seq_id, True)]
+            own = self.seqs.setdefault(seq_id, DraftCounts.empty(len(glob.tries)))
             own.add(budget_depth, depth, accepted, config.sequence_decay)
-            self.glob.add(budget_depth, depth, accepted, config.global_decay)
+            glob.add(budget_depth, depth, accepted, config.global_decay)
         self.verify_cost.add((forward_tokens, asked, drafted), round_s)
         if deepest_budget > 0:  # with no budget anywhere the engine does not collect at all
             self.draft_cost.add((deepest_budget, self._sent), draft_wait_s)
@@ -273,6 +252,7 @@ class SpeculationPolicy:
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
+        self._greedy.pop(seq_id, None)
         self._gain_rows.pop(seq_id, None)
         self._predicted.pop(seq_id, None)
 
@@ -292,12 +272,22 @@ class SpeculationPolicy:
         return rows[:, 0], rows[:, 1], rows[:, 2]
 
     def _gains(self, seq_ids: Seq[int]) -> np.ndarray:
-        """[B, 3, K + 1]: `policy_estimates.expected_gains` of these sequences."""
-        own = [self.seqs.get(s) for s in seq_ids]
+        """[B, 3, K + 1]: `policy_estimates.expected_gains` of these sequences, each shrunk
+        toward the batch-wide counts of its sampling class."""
         width = self._tree_nodes / self._tree_depths
-        return expected_gains(
-            own, self.glob, self.config.prior_strength, self.deepest_seen, width, self._nodes
-        )
+        greedy = [self._greedy.get(s, True) for s in seq_ids]
+        out = None
+        for kind in set(greedy):
+            rows = [i for i, g in enumerate(greedy) if g == kind]
+            own = [self.seqs.get(seq_ids[i]) for i in rows]
+            gains = expected_gains(
+                own, self.glob[kind], self.config.prior_strength, self.deepest_seen, width, self._nodes
+            )
+            if len(rows) == len(seq_ids):
+                return gains
+            out = np.empty((len(seq_ids), *gains.shape[1:])) if out is None else out
+            out[rows] = gains
+        return out
 
     def _warming_up(self) -> bool:
         return self.rounds < (self.ceiling.max_depth + 1) * self.config.warmup_cycles

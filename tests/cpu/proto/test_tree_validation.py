@@ -223,6 +223,17 @@ def test_sampled_tree_rejects_children_without_q(sampling: DraftSampling) -> Non
     rejects(tree, r"node 1 has children but no q row")
 
 
+def test_sampled_tree_without_any_q_row_is_rejected() -> None:
+    """No q row in the whole batch takes the path that skips the q checks: still rejected."""
+    tree = make_tree(
+        DraftSampling.WITHOUT_REPLACEMENT,
+        q_nodes=torch.zeros(0, dtype=torch.int64),
+        q_token_ids=torch.zeros(0, 3, dtype=torch.int64),
+    )
+    tree.q_probs = tree.q_probs[:0]
+    rejects(tree, r"node 0 has children but no q row")
+
+
 def test_sampled_tree_rejects_child_outside_q_support() -> None:
     rejects(
         make_tree(tokens=torch.tensor([5, 7, 4, 11])),

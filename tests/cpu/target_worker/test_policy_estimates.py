@@ -17,6 +17,20 @@ def test_the_cost_fit():
     assert fit.coefficients() == pytest.approx((0.5, 0.25, 0.125), rel=1e-2)
 
 
+def test_the_cost_fit_forgets_old_rows_and_survives_long_runs_between_solves():
+    """Rows are folded in at `solve` (or every 1024 unsolved rows); the decay weights grow as
+    1 / decay^t and are rescaled before they overflow (decay 0.8: past 1e100 in ~1030 rows)."""
+    fit = CostFit(1, decay=0.8)
+    for x in range(3000):
+        fit.add((x % 7,), 1.0 + 2.0 * (x % 7))  # never solved in between
+    assert fit.solve() == pytest.approx((1.0, 2.0), rel=1e-3)
+    for x in range(200):  # the cost changed: the decayed fit follows the recent rows
+        fit.add((x % 5,), 3.0 + 0.5 * (x % 5))
+        if x % 16 == 0:
+            fit.solve()
+    assert fit.solve() == pytest.approx((3.0, 0.5), rel=1e-3)
+
+
 def test_rates_start_from_the_batch_and_move_to_the_sequence():
     """A new sequence (no counts) gets the batch's rate; one with many of its own, its own."""
     glob, own = DraftCounts.empty(2), DraftCounts.empty(2)

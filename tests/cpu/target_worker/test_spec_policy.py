@@ -284,3 +284,25 @@ def test_a_drafter_catching_up_after_a_pause_is_not_priced_as_if_it_always_did()
         if i >= 500:
             late.append(depths[0])
     assert sum(k >= 4 for k in late) >= 170
+
+
+def test_greedy_and_sampled_sequences_have_their_own_batch_wide_prior():
+    """What greedy sequences keep (loops at T = 0 keep nearly everything) must not become the
+    prior of a new sampled sequence: its expected tokens start from the sampled class's
+    counts (none yet: the neutral 0.5 keep rate), a new greedy one from the greedy class's."""
+    policy = SpeculationPolicy(CEILING)
+    rng = random.Random(0)
+    k = [CEILING.max_depth] * 2
+    for _ in range(80):
+        outcomes = []
+        for seq_id, depth in zip((0, 1), k, strict=True):
+            kept = 0
+            while kept < depth and rng.random() < 0.95:
+                kept += 1
+            outcomes.append((seq_id, depth, depth, kept, kept + 1))
+        policy.observe(outcomes, sum(k) + 2, 1e-3, max(k), 2e-4)
+        k = [b.max_depth for b in policy.budgets([0, 1], [CEILING] * 2, 0, greedy=[True, True])]
+    policy.budgets([0, 1, 2, 3], [CEILING] * 4, 0, greedy=[True, True, False, True])
+    tokens = policy._gains([2, 3])[:, 0, 1]  # expected committed tokens at depth 1
+    assert tokens[0] == pytest.approx(1.5)  # sampled: nothing learnt about its class yet
+    assert tokens[1] > 1.85  # greedy: the batch's 0.95
