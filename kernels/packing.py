@@ -11,10 +11,12 @@ children were drawn from, or -1 where none was sent (deterministic drafts need n
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from outrider.proto.tree import CandidateTree
@@ -41,31 +43,36 @@ class PackedTrees:
 
 
 def pack_trees(trees: list[CandidateTree], device: torch.device | str = "cpu") -> PackedTrees:
-    """Flatten validated `proto` candidate trees (same order as `trees`) into one batch."""
-    sizes = [int(t.tokens.numel()) for t in trees]
+    """Flatten validated `proto` candidate trees (same order as `trees`) into one batch.
+
+    Validated trees hold int64 tokens and float32 q already. Offsets and the q index are
+    built as Python ints and made tensors once: at batch 1 each small tensor op costs more
+    than the values it moves."""
+    sizes = [t.tokens.shape[0] for t in trees]
     if max(sizes) == 1:  # root-only everywhere (plain decoding): no q, nothing to index
         return _pack_roots(trees, device)
-    cu = torch.zeros(len(trees) + 1, dtype=torch.int64)
-    cu[1:] = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
-    q_top_k = max([int(t.q_token_ids.shape[1]) for t in trees if t.q_token_ids.numel()] + [1])
-    q_index = torch.full((int(cu[-1]),), -1, dtype=torch.int64)
+    cu = [0, *itertools.accumulate(sizes)]
+    q_top_k = max([t.q_token_ids.shape[1] for t in trees if t.q_token_ids.numel()] + [1])
+    q_index = [-1] * cu[-1]
     q_ids, q_probs = [], []
     num_expanded = 0
-    for tree, start in zip(trees, cu[:-1].tolist(), strict=True):
-        rows = int(tree.q_nodes.numel())
-        if rows:
-            q_index[start + tree.q_nodes] = torch.arange(num_expanded, num_expanded + rows)
-            pad = q_top_k - int(tree.q_token_ids.shape[1])
-            q_ids.append(torch.nn.functional.pad(tree.q_token_ids.to(torch.int64), (0, pad), value=-1))
-            q_probs.append(torch.nn.functional.pad(tree.q_probs.to(torch.float32), (0, pad), value=0.0))
-            num_expanded += rows
+    for tree, start in zip(trees, cu, strict=False):
+        nodes = tree.q_nodes.tolist()
+        if not nodes:
+            continue
+        for row, node in enumerate(nodes, start=num_expanded):
+            q_index[start + node] = row
+        num_expanded += len(nodes)
+        pad = q_top_k - tree.q_token_ids.shape[1]
+        q_ids.append(F.pad(tree.q_token_ids, (0, pad), value=-1) if pad else tree.q_token_ids)
+        q_probs.append(F.pad(tree.q_probs, (0, pad), value=0.0) if pad else tree.q_probs)
     empty_ids = torch.empty(0, q_top_k, dtype=torch.int64)
     packed = PackedTrees(
-        token_ids=torch.cat([t.tokens.to(torch.int64) for t in trees]),
-        parents=torch.cat([t.parents.to(torch.int64) for t in trees]),
-        cu_num_draft_tokens=cu,
+        token_ids=torch.cat([t.tokens for t in trees]),
+        parents=torch.cat([t.parents for t in trees]),
+        cu_num_draft_tokens=torch.tensor(cu, dtype=torch.int64),
         sampling=torch.tensor([int(t.sampling) for t in trees], dtype=torch.int64),
-        q_index=q_index,
+        q_index=torch.tensor(q_index, dtype=torch.int64),
         q_token_ids=torch.cat(q_ids) if q_ids else empty_ids,
         q_probs=torch.cat(q_probs) if q_probs else empty_ids.to(torch.float32),
         max_num_nodes=max(sizes),

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.kernels.kv_compaction import compact_kv
+from outrider.kernels.backend import use_triton
+from outrider.kernels.kv_compaction import compact_kv, kv_moves
 from outrider.target_worker.batch import ForwardBatch
 
 
@@ -141,5 +142,7 @@ class KVCache:
         forward of those tokens would have written; rows past them are stale and are
         overwritten by the next forward (rollback by position, no clearing).
         """
+        # The same rows move in every buffer (Triton's kernel finds them itself).
+        moves = None if use_triton(None, accepted_node_ids.device) else kv_moves(accepted_node_ids, slot_map)
         for buffer in self.buffers.values():
-            compact_kv(buffer, accepted_node_ids, slot_map, slot_dim=1)
+            compact_kv(buffer, accepted_node_ids, slot_map, slot_dim=1, moves=moves)

@@ -4,7 +4,7 @@ contiguous extents and paged (scattered) slot maps alike."""
 import pytest
 import torch
 
-from outrider.kernels.kv_compaction import compact_kv, extent_slot_map
+from outrider.kernels.kv_compaction import compact_kv, extent_slot_map, kv_moves
 
 
 def naive(cache: torch.Tensor, accepted: torch.Tensor, slot_map: torch.Tensor, dim: int) -> torch.Tensor:
@@ -47,3 +47,13 @@ def test_a_paged_path_lands_on_the_mapped_rows() -> None:
     cache = torch.arange(12.0)[None]
     compact_kv(cache, torch.tensor([[2, 3]]), torch.tensor([[9, 2, 7, 4]]), slot_dim=1)
     assert cache[0].tolist() == [0, 1, 7, 3, 4, 5, 6, 4, 8, 9, 10, 11]
+
+
+def test_moves_are_empty_when_every_path_is_already_in_place():
+    """A chain's accepted nodes are 1, 2, ... in order: nothing moves (told without tensor ops);
+    a branch's path (0 -> 2 -> 5) moves local slots 2 and 5 to 1 and 2."""
+    slot_map = extent_slot_map(torch.tensor([10, 40]), 6)
+    src, dst = kv_moves(torch.tensor([[1, 2, -1], [-1, -1, -1]]), slot_map)
+    assert src.numel() == dst.numel() == 0
+    src, dst = kv_moves(torch.tensor([[2, 5, -1], [1, -1, -1]]), slot_map)
+    assert src.tolist() == [12, 15] and dst.tolist() == [11, 12]
