@@ -5,7 +5,6 @@ is expected to earn and cost from them."""
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -64,30 +63,32 @@ class CostFit:
         return self._coefficients
 
 
-@dataclass
 class DraftCounts:
     """Decayed per-depth counts (index d is depth d + 1): asked[d] drafts that could reach
     depth d + 1 (the budget allowed it and the tree reached depth d), drafted[d] of them did;
     tries[d] drafts that reached depth d + 1 with every token above it kept, kept[d] of them
-    kept it too."""
+    kept it too. One [4, K] array (rows in that order): a round decays it in one call."""
 
-    asked: np.ndarray
-    drafted: np.ndarray
-    tries: np.ndarray
-    kept: np.ndarray
+    def __init__(self, counts: np.ndarray):
+        self.counts = counts
 
     @classmethod
     def empty(cls, depth: int) -> DraftCounts:
-        return cls(np.zeros(depth), np.zeros(depth), np.zeros(depth), np.zeros(depth))
+        return cls(np.zeros((4, depth)))
+
+    asked = property(lambda self: self.counts[0])
+    drafted = property(lambda self: self.counts[1])
+    tries = property(lambda self: self.counts[2])
+    kept = property(lambda self: self.counts[3])
 
     def add(self, budget_depth: int, tree_depth: int, accepted: int, decay: float) -> None:
         reached = min(accepted + 1, tree_depth)  # depths tried: all kept ones and the first lost
-        for counts in (self.asked, self.drafted, self.tries, self.kept):
-            counts *= decay
-        self.asked[: min(tree_depth + 1, budget_depth)] += 1
-        self.drafted[:tree_depth] += 1
-        self.tries[:reached] += 1
-        self.kept[:accepted] += 1
+        counts = self.counts
+        counts *= decay
+        counts[0, : min(tree_depth + 1, budget_depth)] += 1
+        counts[1, :tree_depth] += 1
+        counts[2, :reached] += 1
+        counts[3, :accepted] += 1
 
 
 def shrunk_rates(

@@ -89,6 +89,8 @@ class SpeculationPolicy:
         # catching up alone costs more than `probe_share` is probed at the widest spacing).
         self._probing, self._probe_extra = False, None  # None: not measured yet
         self._gain_rows: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (round, its `_gains` rows)
+        self._gains_version = 0  # bumped whenever a row of `_gain_rows` is recomputed
+        self._choice: tuple[tuple, list[int]] = ((), [])  # (what it was chosen from, the depths)
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
         self._predicted: dict[int, float] = {}
         width = (ceiling.max_nodes - 1) / depth if ceiling.max_depth else 0.0
@@ -123,11 +125,14 @@ class SpeculationPolicy:
             ]
         else:
             gain, nodes, some = self._gain(seq_ids)
-            depths = self._probed(
-                seq_ids,
-                self._checked(self._depths(gain, nodes, some, ceiling, prefill_tokens), vetoed),
-                ceiling,
-            )
+            # Between solves the choice moves only with the estimates (refreshed every
+            # `gain_refresh` rounds) or the batch: otherwise last round's stands.
+            key = (tuple(seq_ids), tuple(ceiling), prefill_tokens, self._gains_version, self._solved)
+            if self._due() or self._warming_up() or key != self._choice[0]:
+                choice = self._depths(gain, nodes, some, ceiling, prefill_tokens)
+                key = (*key[:4], self._solved)  # a solve just now moved it
+                self._choice = (key, choice)
+            depths = self._probed(seq_ids, self._checked(list(self._choice[1]), vetoed), ceiling)
             predicted = gain[np.arange(len(seq_ids)), depths].tolist()
         out = []
         for seq_id, limit, k, tokens in zip(seq_ids, limits, depths, predicted, strict=True):
@@ -267,6 +272,7 @@ class SpeculationPolicy:
         cached, now = self._gain_rows, self.rounds
         missing = [s for s in seq_ids if s not in cached or now - cached[s][0] >= self.config.gain_refresh]
         if missing:
+            self._gains_version += 1
             cached.update((s, (now, row)) for s, row in zip(missing, self._gains(missing), strict=True))
         rows = np.stack([cached[s][1] for s in seq_ids])  # [B, 3, K + 1]
         return rows[:, 0], rows[:, 1], rows[:, 2]
