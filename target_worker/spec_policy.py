@@ -345,7 +345,10 @@ class SpeculationPolicy:
             if settled.all():
                 break
         best = int(rate.argmax())
-        if due:
+        # A solve where every sequence is near its end (its own ceiling below the policy's) is
+        # not the batch's answer: kept, it held the next request off, or shallow, until the
+        # next solve (at batch 1, every request's last rounds). Such a round stays due.
+        if due and max(ceiling) >= self.ceiling.max_depth:
             # Solves that keep speculation off are spaced ever wider (only probes bring news
             # then, and a kept probe asks for the next solve at once); any other answer, every
             # `resolve_every` rounds.

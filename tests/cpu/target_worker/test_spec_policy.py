@@ -306,3 +306,23 @@ def test_greedy_and_sampled_sequences_have_their_own_batch_wide_prior():
     tokens = policy._gains([2, 3])[:, 0, 1]  # expected committed tokens at depth 1
     assert tokens[0] == pytest.approx(1.5)  # sampled: nothing learnt about its class yet
     assert tokens[1] > 1.85  # greedy: the batch's 0.95
+
+
+def test_a_request_ending_does_not_hold_the_next_one_off():
+    """At a request's end its own ceiling drops to 0 (no token left to draft for); a solve then
+    is not the batch's answer. Kept, it held the next request off (or shallow) until the next
+    solve: at batch 1, the first rounds of every request."""
+    policy = SpeculationPolicy(CEILING)
+    simulate(policy, {0: 0.9}, rounds=60)
+    ending = TreeBudget(max_nodes=1, max_depth=0, top_k=1)
+    for _ in range(2 * policy.config.resolve_every):  # a due solve falls inside
+        depth = policy.budgets([0], [ending], 0)[0].max_depth
+        policy.observe([(0, depth, depth, 0, 1)], 1, 1e-3, depth, 0.0)
+    policy.forget(0)
+    depths = []
+    for _ in range(4):
+        depth = policy.budgets([1], [CEILING], 0)[0].max_depth
+        depths.append(depth)
+        kept = max(depth - 1, 0)
+        policy.observe([(1, depth, depth, kept, kept + 1)], 1 + depth, 1e-3 + 5e-5 * depth, depth, 2e-4)
+    assert sorted(depths)[1] >= 4, depths  # one round may be an off probe (goodput check)
