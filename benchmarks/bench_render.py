@@ -119,7 +119,7 @@ def markdown(report: dict, plots: list[str]) -> str:
         f"token-identical to plain greedy decoding. Full run: {meta['duration_s'] / 60:.1f} minutes "
         f"({', '.join(f'{k} {v:.0f}' for k, v in meta['phases_s'].items())})."
         + (
-            " The full preset's prompt counts, repeats and lengths are sized to fit about 25-30 minutes "
+            " The full preset's prompt counts, repeats and lengths take about 30-35 minutes "
             "of wall time on a 2-core machine shared with other work; more prompts narrow the spread."
             if meta.get("preset") == "full"
             else ""
