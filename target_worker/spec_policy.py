@@ -73,6 +73,7 @@ class SpeculationPolicy:
         self.rounds = 0
         self._solved: tuple[int, float] | None = None  # (deepest budget, ratio) of the last full solve
         self._solve_interval, self._next_solve = self.config.resolve_every, 0
+        self._solved_cap = 0  # the deepest per-sequence ceiling the last solve could choose
         self._probe_interval, self._next_probe = self.config.probe_every, 0
         # Measured goodput: decayed [tokens, plain-equivalent tokens, rounds] of rounds the solver drafted in
         # (True) and of rounds nobody drafted (False); the planned round's kind (None: a
@@ -112,6 +113,10 @@ class SpeculationPolicy:
         if greedy is not None:
             self._greedy.update(zip(seq_ids, greedy, strict=True))
         ceiling = [max(0, min(self.ceiling.max_depth, limit.max_depth)) for limit in limits]
+        if self._solved is not None and max(ceiling) > self._solved_cap:
+            # The last solve saw only sequences near their end, capped by the tokens they had
+            # left: not this batch's answer (it held each next request off; docs 2c).
+            self._next_solve = min(self._next_solve, self.rounds)
         vetoed = self._vetoed()
         if not self.config.adaptive:  # fixed K: nothing to decide, nor to predict
             depths, predicted = ceiling, [None] * len(seq_ids)
@@ -125,8 +130,7 @@ class SpeculationPolicy:
             ]
         else:
             gain, nodes, some = self._gain(seq_ids)
-            # Between solves the choice moves only with the estimates (refreshed every
-            # `gain_refresh` rounds) or the batch: otherwise last round's stands.
+            # Between solves the choice moves only with the estimates or the batch.
             key = (tuple(seq_ids), tuple(ceiling), prefill_tokens, self._gains_version, self._solved)
             if self._due() or self._warming_up() or key != self._choice[0]:
                 choice = self._depths(gain, nodes, some, ceiling, prefill_tokens)
@@ -345,10 +349,7 @@ class SpeculationPolicy:
             if settled.all():
                 break
         best = int(rate.argmax())
-        # A solve where every sequence is near its end (its own ceiling below the policy's) is
-        # not the batch's answer: kept, it held the next request off, or shallow, until the
-        # next solve (at batch 1, every request's last rounds). Such a round stays due.
-        if due and max(ceiling) >= self.ceiling.max_depth:
+        if due:
             # Solves that keep speculation off are spaced ever wider (only probes bring news
             # then, and a kept probe asks for the next solve at once); any other answer, every
             # `resolve_every` rounds.
@@ -362,6 +363,7 @@ class SpeculationPolicy:
                 (int(ms[best]), float(lam[best])),
                 self.rounds + self._solve_interval,
             )
+            self._solved_cap = max(ceiling, default=0)
         return choice[best].tolist()
 
     def _vetoed(self) -> bool:

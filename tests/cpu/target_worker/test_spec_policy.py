@@ -326,3 +326,20 @@ def test_a_request_ending_does_not_hold_the_next_one_off():
         kept = max(depth - 1, 0)
         policy.observe([(1, depth, depth, kept, kept + 1)], 1 + depth, 1e-3 + 5e-5 * depth, depth, 2e-4)
     assert sorted(depths)[1] >= 4, depths  # one round may be an off probe (goodput check)
+
+
+def test_short_requests_are_solved_on_the_usual_schedule():
+    """Requests whose own ceiling is always below the policy's (max_tokens under the ceiling)
+    are solved every `resolve_every` rounds like any other, not every round."""
+    policy = SpeculationPolicy(CEILING)
+    solves = []
+    solve = policy.verify_cost.solve
+    policy.verify_cost.solve = lambda: solves.append(policy.rounds) or solve()
+    short = TreeBudget(max_nodes=3, max_depth=2, top_k=1)
+    depth = 0
+    for _ in range(80):
+        kept = max(depth - 1, 0)
+        policy.observe([(0, depth, depth, kept, kept + 1)], 1 + depth, 1e-3 + 5e-5 * depth, depth, 2e-4)
+        depth = policy.budgets([0], [short], 0)[0].max_depth
+    after_warmup = [r for r in solves if r > 2 * (CEILING.max_depth + 1)]
+    assert 3 <= len(after_warmup) <= 80 // policy.config.resolve_every + 1, solves
