@@ -53,10 +53,13 @@ class CostFit:
 
     def solve(self) -> tuple[float, ...]:
         self._fold()
-        xtx, xty = self.xtx / self._weight, self.xty / self._weight
-        ridge = 1e-6 * (np.trace(xtx) + 1.0) * np.eye(len(xty))
-        self.w = np.maximum(np.linalg.solve(xtx + ridge, xty + ridge @ self.w), 0.0)
-        self._coefficients = tuple(float(v) for v in self.w)
+        # The sums carry the decay weights' common factor: (xtx + ridge I) w = xty + ridge w_old
+        # scaled by it, so the ridge is scaled instead of both sums.
+        ridge = 1e-6 * (np.trace(self.xtx) + self._weight)
+        lhs = self.xtx.copy()
+        lhs.flat[:: len(lhs) + 1] += ridge
+        self.w = np.maximum(np.linalg.solve(lhs, self.xty + ridge * self.w), 0.0)
+        self._coefficients = tuple(self.w.tolist())
         return self._coefficients
 
     def coefficients(self) -> tuple[float, ...]:
@@ -91,6 +94,25 @@ class DraftCounts:
         counts[3, :accepted] += 1
 
 
+def _shrunk(
+    num: list[float],
+    den: list[float],
+    glob_num: list[float],
+    glob_den: list[float],
+    first: float,
+    prior: float,
+) -> list[float]:
+    """One sequence's `shrunk_rates` row, on Python floats (a handful per depth: at the
+    batches a round's policy refreshes, numpy's per-call cost on arrays this small was most
+    of the work, ~2 us a call on this CPU)."""
+    rates, above = [], first
+    for n, m, gn, gm in zip(num, den, glob_num, glob_den, strict=True):
+        anchor = (gn + prior * above) / (gm + prior)
+        above = (n + prior * anchor) / (m + prior)
+        rates.append(above)
+    return rates
+
+
 def shrunk_rates(
     own: list[DraftCounts | None], glob: DraftCounts, hits: str, trials: str, first: float, prior: float
 ) -> np.ndarray:
@@ -99,16 +121,21 @@ def shrunk_rates(
     toward the sequence's own rate at the depth above (`first` above depth 1). So a new
     sequence starts from the batch, and an undrafted depth is expected to do about as well
     as the one above it."""
-    zero = np.zeros_like(glob.tries)
-    num = np.stack([getattr(o, hits) if o is not None else zero for o in own])
-    den = np.stack([getattr(o, trials) if o is not None else zero for o in own])
-    glob_num, glob_den = getattr(glob, hits), getattr(glob, trials)
-    rate = np.empty_like(num)
-    above = np.full(len(own), first)
-    for d in range(num.shape[1]):
-        anchor = (glob_num[d] + prior * above) / (glob_den[d] + prior)
-        rate[:, d] = above = (num[:, d] + prior * anchor) / (den[:, d] + prior)
-    return rate
+    glob_num, glob_den = getattr(glob, hits).tolist(), getattr(glob, trials).tolist()
+    zero = [0.0] * len(glob_num)
+    return np.array(
+        [
+            _shrunk(
+                getattr(o, hits).tolist() if o else zero,
+                getattr(o, trials).tolist() if o else zero,
+                glob_num,
+                glob_den,
+                first,
+                prior,
+            )
+            for o in own
+        ]
+    )
 
 
 def expected_gains(
@@ -133,14 +160,20 @@ def expected_gains(
 
     `width`: the draft nodes per depth the drafter's trees carried. Depths past
     `deepest_seen` + 1 (the deepest tree ever drafted, and one more to find out) earn nothing."""
-    drafts = shrunk_rates(own, glob, "drafted", "asked", 1.0, prior)  # [B, K]
-    keeps = shrunk_rates(own, glob, "kept", "tries", 0.5, prior)
-    keeps[:, max(deepest_seen + 1, 1) :] = 0.0
-    ones = np.ones((len(own), 1))
-    tokens = np.concatenate([ones, 1.0 + np.cumsum(np.cumprod(drafts * keeps, axis=1), axis=1)], axis=1)
-    depth = np.cumsum(np.cumprod(drafts, axis=1), axis=1)  # expected depth drafted
-    nodes = 1.0 + np.minimum(width * depth, budget_nodes[None, 1:] - 1.0)
-    some = np.repeat(drafts[:, :1], drafts.shape[1], axis=1)
-    return np.stack(
-        [tokens, np.concatenate([ones, nodes], axis=1), np.concatenate([0 * ones, some], axis=1)], axis=1
-    )
+    g = glob.counts.tolist()  # asked, drafted, tries, kept
+    cap = [float(n) - 1.0 for n in budget_nodes[1:]]
+    zero = [[0.0] * len(g[0])] * 4
+    rows = []
+    for o in own:
+        c = o.counts.tolist() if o else zero
+        drafts = _shrunk(c[1], c[0], g[1], g[0], 1.0, prior)
+        keeps = _shrunk(c[3], c[2], g[3], g[2], 0.5, prior)
+        tokens, nodes, survive, reach, depth = [1.0], [1.0], 1.0, 1.0, 0.0
+        for d, (drafted, kept) in enumerate(zip(drafts, keeps, strict=True)):
+            survive *= drafted * (kept if d <= deepest_seen else 0.0)
+            reach *= drafted
+            depth += reach  # expected depth drafted
+            tokens.append(tokens[-1] + survive)
+            nodes.append(1.0 + min(width * depth, cap[d]))
+        rows.append((tokens, nodes, [0.0] + [drafts[0]] * len(drafts)))
+    return np.array(rows)

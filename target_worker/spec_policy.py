@@ -91,11 +91,13 @@ class SpeculationPolicy:
         self._probing, self._probe_extra = False, None  # None: not measured yet
         self._gain_rows: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (round, its `_gains` rows)
         self._gains_version = 0  # bumped whenever a row of `_gain_rows` is recomputed
+        self._stacked: tuple = ((), (), [])  # ((seq_ids, version), `_gain`'s arrays, tokens as lists)
         self._choice: tuple[tuple, list[int]] = ((), [])  # (what it was chosen from, the depths)
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
         self._predicted: dict[int, float] = {}
         width = (ceiling.max_nodes - 1) / depth if ceiling.max_depth else 0.0
         self._nodes = np.array([1 + min(ceiling.max_nodes - 1, k * width) for k in range(depth + 1)])
+        self._node_counts = [int(round(n)) for n in self._nodes.tolist()]  # a depth's budget nodes
 
     # ---- what the engine asks ------------------------------------------------------------
 
@@ -137,7 +139,7 @@ class SpeculationPolicy:
                 key = (*key[:4], self._solved)  # a solve just now moved it
                 self._choice = (key, choice)
             depths = self._probed(seq_ids, self._checked(list(self._choice[1]), vetoed), ceiling)
-            predicted = gain[np.arange(len(seq_ids)), depths].tolist()
+            predicted = [row[k] for row, k in zip(self._stacked[2], depths, strict=True)]
         out = []
         for seq_id, limit, k, tokens in zip(seq_ids, limits, depths, predicted, strict=True):
             self.stats.depth_counts[k] += 1
@@ -146,7 +148,7 @@ class SpeculationPolicy:
             if k == 0:
                 out.append(NO_DRAFT)
             else:
-                nodes = min(limit.max_nodes, int(round(self._nodes[k])))
+                nodes = min(limit.max_nodes, self._node_counts[k])
                 out.append(TreeBudget(max_nodes=nodes, max_depth=k, top_k=limit.top_k, q_width=limit.q_width))
         if not any(depths):
             self.stats.rounds_off += 1
@@ -278,8 +280,11 @@ class SpeculationPolicy:
         if missing:
             self._gains_version += 1
             cached.update((s, (now, row)) for s, row in zip(missing, self._gains(missing), strict=True))
-        rows = np.stack([cached[s][1] for s in seq_ids])  # [B, 3, K + 1]
-        return rows[:, 0], rows[:, 1], rows[:, 2]
+        key = (tuple(seq_ids), self._gains_version)
+        if self._stacked[0] != key:  # the batch's rows, stacked once per batch and refresh
+            rows = np.stack([cached[s][1] for s in seq_ids])  # [B, 3, K + 1]
+            self._stacked = (key, (rows[:, 0], rows[:, 1], rows[:, 2]), rows[:, 0].tolist())
+        return self._stacked[1]
 
     def _gains(self, seq_ids: Seq[int]) -> np.ndarray:
         """[B, 3, K + 1]: `policy_estimates.expected_gains` of these sequences, each shrunk
@@ -328,22 +333,23 @@ class SpeculationPolicy:
         # [B, K + 1] seconds a sequence adds (drafting every round, it sends what it commits)
         per_seq = b * nodes + ask * (ks > 0) + overhead * some + g * gain * (ks > 0)
         ms = ks if due else np.array([self._solved[0]])  # the deepest budgets to weigh: [M]
-        allowed = ks[None, None, :] <= np.minimum(
-            np.array(ceiling)[None, :, None], ms[:, None, None]
-        )  # [M, B, K+1]
+        allowed = ks[None, None, :] <= np.minimum(np.array(ceiling)[None, :, None], ms[:, None, None])
+        mask = np.where(allowed, 0.0, -np.inf)  # [M, B, K + 1]
         fixed_s = a + b * prefill_tokens + np.where(ms > 0, c + e * ms, 0.0)  # [M]
         lam = np.full(len(ms), self._solved[1] if self._solved else 0.0)  # [M]
         rows = np.arange(gain.shape[0])[None, :]
+        both = np.stack([gain, per_seq])  # one gather picks a choice's tokens and seconds
 
         # Dinkelbach for every deepest budget m at once: for a ratio lam each sequence takes
         # the depth <= m maximising tokens - lam * seconds; lam <- the rate that achieves.
-        # Between full solves (every `resolve_every` rounds) only the last m and lam are kept,
-        # and each sequence re-picks its depth under them as its own estimates move.
-        for _ in range(4 if due else 1):
-            score = np.where(allowed, gain[None] - lam[:, None, None] * per_seq[None], -np.inf)
-            choice = score.argmax(2)  # [M, B]
-            tokens = gain[rows, choice].sum(1)
-            rate = tokens / np.maximum(fixed_s + per_seq[rows, choice].sum(1), 1e-9)  # [M]
+        # Between full solves (every `resolve_every` rounds) only the last m is kept, and lam
+        # iterates from the last solve's: as the estimates or the sequences' own ceilings move
+        # (a request's last tokens), the batch's rate moves too, and the old lam alone turned
+        # a 2-token tree that beats plain into "off".
+        for _ in range(4):
+            choice = (gain - lam[:, None, None] * per_seq + mask).argmax(2)  # [M, B]
+            tokens, seconds = both[:, rows, choice].sum(2)  # [M] each
+            rate = tokens / np.maximum(fixed_s + seconds, 1e-9)
             settled = np.abs(rate - lam) <= 1e-4 * np.maximum(rate, 1.0)
             lam = rate
             if settled.all():
@@ -399,25 +405,28 @@ class SpeculationPolicy:
         self._planned, self._off_probe = None, False
         if not self.config.adaptive or self._warming_up():
             return depths
-        if not any(depths):
-            self._planned = False
+        if not any(depths):  # measures rounds without drafts as an off probe would (a
+            self._planned = False  # request's last round at batch 1): the next probe waits
+            self._next_off_probe()
             return depths
         if vetoed:
             self.stats.vetoed_rounds += 1
             self._planned = False
             return [0] * len(depths)
-        enough = self._measured()
         if self.rounds >= self._next_off:
-            self._next_off = self.rounds + self._off_interval
-            # Spaced ever wider once both kinds are measured and drafting wins.
-            self._off_interval = (
-                min(2 * self._off_interval, self.config.max_probe_every) if enough else self._off_interval
-            )
+            self._next_off_probe()
             self.stats.off_probes += 1
             self._planned, self._off_probe = False, True
             return [0] * len(depths)
         self._planned = True
         return depths
+
+    def _next_off_probe(self) -> None:
+        """A round without drafts is measured now: the next off probe is due an interval on,
+        spaced ever wider once both kinds are measured (and drafting wins: not vetoed)."""
+        if self._measured():
+            self._off_interval = min(2 * self._off_interval, self.config.max_probe_every)
+        self._next_off = self.rounds + self._off_interval
 
     def _probed(self, seq_ids: Seq[int], depths: list[int], ceiling: list[int]) -> list[int]:
         """On probe rounds every sequence not speculating drafts depth 1, so its estimates stay
