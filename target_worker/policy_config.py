@@ -17,7 +17,7 @@ class PolicyConfig:
     cost_decay: float = 0.98  # per-round decay of the cost fits' sums (conditions drift)
     resolve_every: int = 8  # rounds between full solves of the deepest budget and the ratio
     gain_refresh: int = 4  # rounds a sequence's expected tokens and nodes are reused
-    max_resolve_every: int = 64  # the spacing doubles up to this while solves keep speculation off
+    max_resolve_every: int = 64  # the spacing doubles up to this while solves keep their answer
     probe_share: float = 0.01  # while off, probes may cost about this share of the time
     warmup_cycles: int = 2  # rounds 0 .. (ceiling + 1) * cycles - 1 cycle the depth 0 .. ceiling
     probe_chain: int = 32  # kept probes in a row that paid, before spacing them again

@@ -70,15 +70,27 @@ class DraftCounts:
     """Decayed per-depth counts (index d is depth d + 1): asked[d] drafts that could reach
     depth d + 1 (the budget allowed it and the tree reached depth d), drafted[d] of them did;
     tries[d] drafts that reached depth d + 1 with every token above it kept, kept[d] of them
-    kept it too. One [4, K] array (rows in that order): a round decays it in one call."""
+    kept it too.
 
-    def __init__(self, counts: np.ndarray):
-        self.counts = counts
+    Kept undecayed as Python floats, each draft weighted by 1 / decay^t instead (as `CostFit`):
+    `add` (every sequence, every round it drafts) adds to four prefixes and decays nothing;
+    `counts` divides once, when the estimates are refreshed."""
+
+    def __init__(self, depth: int):
+        self._sums = [[0.0] * depth for _ in range(4)]
+        self._weight = 1.0
 
     @classmethod
     def empty(cls, depth: int) -> DraftCounts:
-        return cls(np.zeros((4, depth)))
+        return cls(depth)
 
+    @property
+    def counts(self) -> list[list[float]]:
+        """[4][K]: asked, drafted, tries, kept."""
+        scale = 1.0 / self._weight
+        return [[v * scale for v in row] for row in self._sums]
+
+    depth = property(lambda self: len(self._sums[0]))
     asked = property(lambda self: self.counts[0])
     drafted = property(lambda self: self.counts[1])
     tries = property(lambda self: self.counts[2])
@@ -86,12 +98,20 @@ class DraftCounts:
 
     def add(self, budget_depth: int, tree_depth: int, accepted: int, decay: float) -> None:
         reached = min(accepted + 1, tree_depth)  # depths tried: all kept ones and the first lost
-        counts = self.counts
-        counts *= decay
-        counts[0, : min(tree_depth + 1, budget_depth)] += 1
-        counts[1, :tree_depth] += 1
-        counts[2, :reached] += 1
-        counts[3, :accepted] += 1
+        self._weight /= decay
+        w, sums = self._weight, self._sums
+        for row, n in zip(
+            sums, (min(tree_depth + 1, budget_depth), tree_depth, reached, accepted), strict=True
+        ):
+            for d in range(n):
+                row[d] += w
+        if w > 1e100:  # before the weights overflow
+            self._sums = [[v / w for v in row] for row in sums]
+            self._weight = 1.0
+
+
+# A sequence's expected (tokens, nodes, chance of any draft) per depth budget 0 .. K.
+Row = tuple[list[float], list[float], list[float]]
 
 
 def _shrunk(
@@ -121,13 +141,13 @@ def shrunk_rates(
     toward the sequence's own rate at the depth above (`first` above depth 1). So a new
     sequence starts from the batch, and an undrafted depth is expected to do about as well
     as the one above it."""
-    glob_num, glob_den = getattr(glob, hits).tolist(), getattr(glob, trials).tolist()
+    glob_num, glob_den = getattr(glob, hits), getattr(glob, trials)
     zero = [0.0] * len(glob_num)
     return np.array(
         [
             _shrunk(
-                getattr(o, hits).tolist() if o else zero,
-                getattr(o, trials).tolist() if o else zero,
+                getattr(o, hits) if o else zero,
+                getattr(o, trials) if o else zero,
                 glob_num,
                 glob_den,
                 first,
@@ -144,10 +164,10 @@ def expected_gains(
     prior: float,
     deepest_seen: int,
     width: float,
-    budget_nodes: np.ndarray,
-) -> np.ndarray:
-    """[B, 3, K + 1]: per sequence (`own` counts, None for a new one) and depth budget
-    0 .. K, the expected committed tokens, the expected nodes verified, and the chance the
+    budget_nodes: Seq[float],
+) -> list[tuple[list[float], list[float], list[float]]]:
+    """Per sequence (`own` counts, None for a new one), three lists over the depth budget
+    0 .. K: the expected committed tokens, the expected nodes verified, and the chance the
     tree has any draft at all.
 
     Two rates per sequence and depth d (`shrunk_rates`, `prior` pseudo-observations): that
@@ -160,12 +180,12 @@ def expected_gains(
 
     `width`: the draft nodes per depth the drafter's trees carried. Depths past
     `deepest_seen` + 1 (the deepest tree ever drafted, and one more to find out) earn nothing."""
-    g = glob.counts.tolist()  # asked, drafted, tries, kept
-    cap = [float(n) - 1.0 for n in budget_nodes[1:]]
+    g = glob.counts  # asked, drafted, tries, kept
+    cap = [float(n) - 1.0 for n in list(budget_nodes)[1:]]
     zero = [[0.0] * len(g[0])] * 4
     rows = []
     for o in own:
-        c = o.counts.tolist() if o else zero
+        c = o.counts if o else zero
         drafts = _shrunk(c[1], c[0], g[1], g[0], 1.0, prior)
         keeps = _shrunk(c[3], c[2], g[3], g[2], 0.5, prior)
         tokens, nodes, survive, reach, depth = [1.0], [1.0], 1.0, 1.0, 0.0
@@ -176,4 +196,52 @@ def expected_gains(
             tokens.append(tokens[-1] + survive)
             nodes.append(1.0 + min(width * depth, cap[d]))
         rows.append((tokens, nodes, [0.0] + [drafts[0]] * len(drafts)))
-    return np.array(rows)
+    return rows
+
+
+def moved(row: Row, old: Row) -> bool:
+    """Whether a refreshed row differs from the one a choice was made with by more than 1% of
+    its deepest expected tokens anywhere."""
+    scale = 0.01 * max(row[0][-1], 1.0)
+    return any(
+        abs(x - y) > scale for new, was in zip(row, old, strict=True) for x, y in zip(new, was, strict=True)
+    )
+
+
+def sequence_seconds(rows: list[Row], b: float, ask: float, overhead: float, g: float) -> list[list[float]]:
+    """Per sequence and depth k, the round seconds it adds: b per node verified, and once it
+    drafts, ask (its delta and answer), overhead x the chance its tree has drafts, and g per
+    token it commits (drafting every round, it sends what it commits to catch up on)."""
+    return [
+        [b * nodes[0]]
+        + [
+            b * n + ask + overhead * q + g * t
+            for t, n, q in zip(tokens[1:], nodes[1:], some[1:], strict=True)
+        ]
+        for tokens, nodes, some in rows
+    ]
+
+
+def dinkelbach(
+    rows: list[Row], seconds: list[list[float]], ceiling: Seq[int], m: int, base_s: float, lam: float
+) -> tuple[float, list[int]]:
+    """The depths (each <= its ceiling and m) maximising the batch's committed tokens per
+    second, sum tokens / (base_s + sum seconds), and that rate: Dinkelbach's iteration (for a
+    rate lam each sequence takes the depth maximising tokens - lam x seconds; lam <- the rate
+    that achieves), from `lam` (the last choice's rate: two or three iterations). Python
+    floats: on a handful of values a numpy call costs more than the arithmetic it does."""
+    for _ in range(4):
+        choice, tokens, total = [], 0.0, base_s
+        for (gain, _, _), cost, cap in zip(rows, seconds, ceiling, strict=True):
+            k = 0
+            for d in range(1, min(cap, m) + 1):
+                if gain[d] - lam * cost[d] > gain[k] - lam * cost[k]:
+                    k = d
+            choice.append(k)
+            tokens += gain[k]
+            total += cost[k]
+        rate = tokens / max(total, 1e-9)
+        settled, lam = abs(rate - lam) <= 1e-4 * max(rate, 1.0), rate
+        if settled:
+            break
+    return lam, choice

@@ -35,11 +35,17 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from outrider.proto import CandidateTree, TreeBudget
 from outrider.target_worker.policy_config import PolicyConfig, PolicyStats
-from outrider.target_worker.policy_estimates import CostFit, DraftCounts, expected_gains
+from outrider.target_worker.policy_estimates import (
+    CostFit,
+    DraftCounts,
+    Row,
+    dinkelbach,
+    expected_gains,
+    moved,
+    sequence_seconds,
+)
 from outrider.target_worker.round_plan import RoundPlan, tree_depth
 
 if TYPE_CHECKING:
@@ -74,6 +80,7 @@ class SpeculationPolicy:
         self._solved: tuple[int, float] | None = None  # (deepest budget, ratio) of the last full solve
         self._solve_interval, self._next_solve = self.config.resolve_every, 0
         self._solved_cap = 0  # the deepest per-sequence ceiling the last solve could choose
+        self._lam = 0.0  # the last choice's rate (committed tokens a second)
         self._probe_interval, self._next_probe = self.config.probe_every, 0
         # Measured goodput: decayed [tokens, plain-equivalent tokens, rounds] of rounds the solver drafted in
         # (True) and of rounds nobody drafted (False); the planned round's kind (None: a
@@ -89,15 +96,14 @@ class SpeculationPolicy:
         # the drafter up included: probes spaced wider catch up on more, so a drafter whose
         # catching up alone costs more than `probe_share` is probed at the widest spacing).
         self._probing, self._probe_extra = False, None  # None: not measured yet
-        self._gain_rows: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (round, its `_gains` rows)
+        self._gain_rows: dict[int, tuple[int, Row]] = {}  # seq_id -> (round, its `_gains` rows)
         self._gains_version = 0  # bumped whenever a row of `_gain_rows` is recomputed
-        self._stacked: tuple = ((), (), [])  # ((seq_ids, version), `_gain`'s arrays, tokens as lists)
         self._choice: tuple[tuple, list[int]] = ((), [])  # (what it was chosen from, the depths)
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
         self._predicted: dict[int, float] = {}
         width = (ceiling.max_nodes - 1) / depth if ceiling.max_depth else 0.0
-        self._nodes = np.array([1 + min(ceiling.max_nodes - 1, k * width) for k in range(depth + 1)])
-        self._node_counts = [int(round(n)) for n in self._nodes.tolist()]  # a depth's budget nodes
+        self._nodes = [1 + min(ceiling.max_nodes - 1, k * width) for k in range(depth + 1)]
+        self._node_counts = [int(round(n)) for n in self._nodes]  # a depth's budget nodes
 
     # ---- what the engine asks ------------------------------------------------------------
 
@@ -127,19 +133,18 @@ class SpeculationPolicy:
             self.stats.vetoed_rounds += vetoed
             depths = self._probed(seq_ids, [0] * len(seq_ids), ceiling)
             predicted = [
-                1.0 if k == 0 else float(self._gain([s])[0][0, k])
-                for s, k in zip(seq_ids, depths, strict=True)
+                1.0 if k == 0 else self._gain([s])[0][0][k] for s, k in zip(seq_ids, depths, strict=True)
             ]
         else:
-            gain, nodes, some = self._gain(seq_ids)
+            rows = self._gain(seq_ids)
             # Between solves the choice moves only with the estimates or the batch.
             key = (tuple(seq_ids), tuple(ceiling), prefill_tokens, self._gains_version, self._solved)
             if self._due() or self._warming_up() or key != self._choice[0]:
-                choice = self._depths(gain, nodes, some, ceiling, prefill_tokens)
+                choice = self._depths(rows, ceiling, prefill_tokens)
                 key = (*key[:4], self._solved)  # a solve just now moved it
                 self._choice = (key, choice)
             depths = self._probed(seq_ids, self._checked(list(self._choice[1]), vetoed), ceiling)
-            predicted = [row[k] for row, k in zip(self._stacked[2], depths, strict=True)]
+            predicted = [row[0][k] for row, k in zip(rows, depths, strict=True)]
         out = []
         for seq_id, limit, k, tokens in zip(seq_ids, limits, depths, predicted, strict=True):
             self.stats.depth_counts[k] += 1
@@ -220,7 +225,7 @@ class SpeculationPolicy:
                 self._tree_nodes += depth if draft_nodes is None else draft_nodes[i]
                 self._tree_depths += depth
             glob = self.glob[self._greedy.get(seq_id, True)]
-            own = self.seqs.setdefault(seq_id, DraftCounts.empty(len(glob.tries)))
+            own = self.seqs.setdefault(seq_id, DraftCounts.empty(glob.depth))
             own.add(budget_depth, depth, accepted, config.sequence_decay)
             glob.add(budget_depth, depth, accepted, config.global_decay)
         self.verify_cost.add((forward_tokens, asked, drafted), round_s)
@@ -269,7 +274,7 @@ class SpeculationPolicy:
 
     # ---- the choice ----------------------------------------------------------------------
 
-    def _gain(self, seq_ids: Seq[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _gain(self, seq_ids: Seq[int]) -> list[Row]:
         """`_gains` by sequence, kept `gain_refresh` rounds (a round's outcome moves them
         little, and recomputing them every round cost more than the choice they inform) or
         until the next full solve."""
@@ -278,30 +283,32 @@ class SpeculationPolicy:
         cached, now = self._gain_rows, self.rounds
         missing = [s for s in seq_ids if s not in cached or now - cached[s][0] >= self.config.gain_refresh]
         if missing:
-            self._gains_version += 1
-            cached.update((s, (now, row)) for s, row in zip(missing, self._gains(missing), strict=True))
-        key = (tuple(seq_ids), self._gains_version)
-        if self._stacked[0] != key:  # the batch's rows, stacked once per batch and refresh
-            rows = np.stack([cached[s][1] for s in seq_ids])  # [B, 3, K + 1]
-            self._stacked = (key, (rows[:, 0], rows[:, 1], rows[:, 2]), rows[:, 0].tolist())
-        return self._stacked[1]
+            # The batch's choice is made again only when some estimate moved (a new sequence,
+            # or an expected token or node count by over 1% of the deepest expected tokens): a
+            # sequence that keeps what it drafts, round after round, leaves the choice as it
+            # was. An unmoved row stays as it was, so small moves cannot add up unseen.
+            for s, row in zip(missing, self._gains(missing), strict=True):
+                old = cached.get(s)
+                if old is None or moved(row, old[1]):
+                    self._gains_version += 1
+                    old = (now, row)
+                cached[s] = (now, old[1])
+        return [cached[s][1] for s in seq_ids]
 
-    def _gains(self, seq_ids: Seq[int]) -> np.ndarray:
-        """[B, 3, K + 1]: `policy_estimates.expected_gains` of these sequences, each shrunk
-        toward the batch-wide counts of its sampling class."""
+    def _gains(self, seq_ids: Seq[int]) -> list[Row]:
+        """`policy_estimates.expected_gains` of these sequences, each shrunk toward the
+        batch-wide counts of its sampling class."""
         width = self._tree_nodes / self._tree_depths
         greedy = [self._greedy.get(s, True) for s in seq_ids]
-        out = None
+        out: list = [None] * len(seq_ids)
         for kind in set(greedy):
-            rows = [i for i, g in enumerate(greedy) if g == kind]
-            own = [self.seqs.get(seq_ids[i]) for i in rows]
+            at = [i for i, g in enumerate(greedy) if g == kind]
+            own = [self.seqs.get(seq_ids[i]) for i in at]
             gains = expected_gains(
                 own, self.glob[kind], self.config.prior_strength, self.deepest_seen, width, self._nodes
             )
-            if len(rows) == len(seq_ids):
-                return gains
-            out = np.empty((len(seq_ids), *gains.shape[1:])) if out is None else out
-            out[rows] = gains
+            for i, row in zip(at, gains, strict=True):
+                out[i] = row
         return out
 
     def _warming_up(self) -> bool:
@@ -315,9 +322,7 @@ class SpeculationPolicy:
         adaptive = self.config.adaptive and not self._warming_up()
         return adaptive and not self._due() and self._solved[0] == 0
 
-    def _depths(
-        self, gain: np.ndarray, nodes: np.ndarray, some: np.ndarray, ceiling: list[int], prefill_tokens: int
-    ) -> list[int]:
+    def _depths(self, rows: list[Row], ceiling: list[int], prefill_tokens: int) -> list[int]:
         if not self.config.adaptive:
             return ceiling
         if self._warming_up():
@@ -329,48 +334,34 @@ class SpeculationPolicy:
             self.draft_cost.solve()
         a, b, ask, overhead = self.verify_cost.coefficients()
         c, e, g = self.draft_cost.coefficients()
-        ks = np.arange(gain.shape[1])
-        # [B, K + 1] seconds a sequence adds (drafting every round, it sends what it commits)
-        per_seq = b * nodes + ask * (ks > 0) + overhead * some + g * gain * (ks > 0)
-        ms = ks if due else np.array([self._solved[0]])  # the deepest budgets to weigh: [M]
-        allowed = ks[None, None, :] <= np.minimum(np.array(ceiling)[None, :, None], ms[:, None, None])
-        mask = np.where(allowed, 0.0, -np.inf)  # [M, B, K + 1]
-        fixed_s = a + b * prefill_tokens + np.where(ms > 0, c + e * ms, 0.0)  # [M]
-        lam = np.full(len(ms), self._solved[1] if self._solved else 0.0)  # [M]
-        rows = np.arange(gain.shape[0])[None, :]
-        both = np.stack([gain, per_seq])  # one gather picks a choice's tokens and seconds
+        seconds = sequence_seconds(rows, b, ask, overhead, g)
+        fixed_s = a + b * prefill_tokens
 
-        # Dinkelbach for every deepest budget m at once: for a ratio lam each sequence takes
-        # the depth <= m maximising tokens - lam * seconds; lam <- the rate that achieves.
-        # Between full solves (every `resolve_every` rounds) only the last m is kept, and lam
-        # iterates from the last solve's: as the estimates or the sequences' own ceilings move
-        # (a request's last tokens), the batch's rate moves too, and the old lam alone turned
-        # a 2-token tree that beats plain into "off".
-        for _ in range(4):
-            choice = (gain - lam[:, None, None] * per_seq + mask).argmax(2)  # [M, B]
-            tokens, seconds = both[:, rows, choice].sum(2)  # [M] each
-            rate = tokens / np.maximum(fixed_s + seconds, 1e-9)
-            settled = np.abs(rate - lam) <= 1e-4 * np.maximum(rate, 1.0)
-            lam = rate
-            if settled.all():
-                break
-        best = int(rate.argmax())
+        def best(m: int) -> tuple[float, list[int]]:
+            return dinkelbach(rows, seconds, ceiling, m, fixed_s + (c + e * m if m else 0.0), self._lam)
+
+        # A full solve weighs every deepest budget m (it sets the drafter's wait); between
+        # solves (every `resolve_every` rounds, or wider) only the last m is kept, and each
+        # sequence re-picks its depth as its estimates or its own ceiling move (a request's
+        # last tokens: judged at the old rate alone, a 2-token tree that beats plain was "off").
+        options = [best(m) for m in range(len(rows[0][0]))] if due else [best(self._solved[0])]
+        pick = max(range(len(options)), key=lambda i: options[i][0])  # the first of equals
+        self._lam, choice = options[pick]
         if due:
-            # Solves that keep speculation off are spaced ever wider (only probes bring news
-            # then, and a kept probe asks for the next solve at once); any other answer, every
-            # `resolve_every` rounds.
-            still_off = int(ms[best]) == 0 and self._solved is not None and self._solved[0] == 0
+            # Solves that keep their answer (the deepest budget; speculation off included) are
+            # spaced ever wider: between them each sequence still re-picks its depth as its
+            # estimates move, and a kept probe asks for the next solve at once. A new answer
+            # is checked again `resolve_every` rounds on. (At batch 1 a solve cost ~3% of an
+            # 8 ms round: every 8 rounds, most of what the policy cost beyond fixed K.)
+            same = self._solved is not None and pick == self._solved[0]
             self._solve_interval = (
                 min(2 * self._solve_interval, self.config.max_resolve_every)
-                if still_off
+                if same
                 else self.config.resolve_every
             )
-            self._solved, self._next_solve = (
-                (int(ms[best]), float(lam[best])),
-                self.rounds + self._solve_interval,
-            )
+            self._solved, self._next_solve = (pick, self._lam), self.rounds + self._solve_interval
             self._solved_cap = max(ceiling, default=0)
-        return choice[best].tolist()
+        return choice
 
     def _vetoed(self) -> bool:
         """Whether speculation is vetoed this round (see the module docstring): drafting rounds

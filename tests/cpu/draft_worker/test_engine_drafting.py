@@ -68,7 +68,7 @@ class ShuffledBudgets(SpeculationPolicy):
         super().__init__(ceiling)
         self.rng = random.Random(seed)
 
-    def _depths(self, gain, nodes, some, ceiling, prefill_tokens):
+    def _depths(self, rows, ceiling, prefill_tokens):
         return [self.rng.randint(0, cap) for cap in ceiling]
 
 
