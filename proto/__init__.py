@@ -33,6 +33,7 @@ from outrider.proto.messages import (
     SamplingParams,
     SequenceUpdate,
     TreeBudget,
+    shared_budget,
 )
 from outrider.proto.request_validation import check_request, validate_update
 from outrider.proto.tensor import (
@@ -67,6 +68,7 @@ __all__ = [
     "SamplingParams",
     "SequenceUpdate",
     "TreeBudget",
+    "shared_budget",
     "DEFAULT_NUM_SPECULATIVE_TOKENS",
     "DEFAULT_Q_WIDTH",
     "DEFAULT_TREE_BUDGET",

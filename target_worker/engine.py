@@ -69,7 +69,7 @@ from outrider.target_worker.round_outputs import append_outputs, record_prompt_l
 from outrider.target_worker.round_plan import RoundPlan, checked_trees, plan_round
 from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import RequestOutput, RequestParams, Sequence
-from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy
+from outrider.target_worker.spec_policy import NO_DRAFT, PolicyConfig, SpeculationPolicy
 from outrider.target_worker.verify_inputs import greedy_rows, target_probs, verify_randoms
 
 if TYPE_CHECKING:  # xgrammar is imported only where structured output is served
@@ -387,9 +387,14 @@ class Engine:
         if self.drafts is None:
             return
         going = [s for s in verified if s.decoding and not s.finished]
-        limits = [s.tree_budget(self.tree_budget) for s in going]
-        greedy = [s.params.temperature == 0 for s in going]
-        budgets = self.policy.budgets([s.seq_id for s in going], limits, self._next_prefill_tokens(), greedy)
+        if self.policy.quiet(len(going)):  # speculation off, nothing due: no budgets to give
+            budgets = [NO_DRAFT] * len(going)
+        else:
+            limits = [s.tree_budget(self.tree_budget) for s in going]
+            greedy = [s.params.temperature == 0 for s in going]
+            budgets = self.policy.budgets(
+                [s.seq_id for s in going], limits, self._next_prefill_tokens(), greedy
+            )
         updates, sent = [], 0
         for seq, budget in zip(going, budgets, strict=True):
             seq.budget, seq.asked = budget, budget.max_depth > 0

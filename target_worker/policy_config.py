@@ -32,7 +32,9 @@ class PolicyStats:
     """For /metrics: chosen depths, and predicted vs measured committed tokens."""
 
     depth_counts: list[int] = field(default_factory=list)  # [d] = sequence-rounds given depth d
-    predicted_tokens: float = 0.0  # sum over verified sequence-rounds of tokens(k) predicted
+    # Sum over the verified sequence-rounds the policy decided of tokens(k) predicted (not
+    # over `quiet` rounds, nobody drafting, where it is 1 token a sequence, as measured).
+    predicted_tokens: float = 0.0
     measured_tokens: int = 0  # and of the tokens they committed
     rounds_off: int = 0  # rounds in which no sequence drafted
     vetoed_rounds: int = 0  # rounds the solver wanted drafts that measured goodput turned off

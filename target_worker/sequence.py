@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from outrider.proto import SamplingParams, TreeBudget
+from outrider.proto import SamplingParams, TreeBudget, shared_budget
 from outrider.target_worker.stop_strings import find_stop
 
 
@@ -211,7 +211,7 @@ class Sequence:
         useful_depth = self.params.max_tokens - len(self.output_ids) - 1  # the last output is recovered/bonus
         depth = max(0, min(limit.max_depth, useful_depth))
         nodes = min(limit.max_nodes, rows_left) if depth else 1
-        return TreeBudget(max_nodes=nodes, max_depth=depth, top_k=limit.top_k, q_width=limit.q_width)
+        return shared_budget(nodes, depth, limit.top_k, limit.q_width)
 
     def append(self, new_tokens: list[int], detokenize: Callable[[list[int]], str] | None) -> list[int]:
         """Appends verified tokens up to the first stop; returns those to stream (a stop id is not).

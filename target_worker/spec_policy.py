@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
-from outrider.proto import CandidateTree, TreeBudget
+from outrider.proto import CandidateTree, TreeBudget, shared_budget
 from outrider.target_worker.policy_config import PolicyConfig, PolicyStats
 from outrider.target_worker.policy_estimates import (
     CostFit,
@@ -46,6 +46,7 @@ from outrider.target_worker.policy_estimates import (
     moved,
     sequence_seconds,
 )
+from outrider.target_worker.policy_goodput import GoodputCheck
 from outrider.target_worker.round_plan import RoundPlan, tree_depth
 
 if TYPE_CHECKING:
@@ -82,17 +83,9 @@ class SpeculationPolicy:
         self._solved_cap = 0  # the deepest per-sequence ceiling the last solve could choose
         self._lam = 0.0  # the last choice's rate (committed tokens a second)
         self._probe_interval, self._next_probe = self.config.probe_every, 0
-        # Measured goodput: decayed [tokens, plain-equivalent tokens, rounds] of rounds the solver drafted in
-        # (True) and of rounds nobody drafted (False); the planned round's kind (None: a
-        # probe or warm-up round, not evidence of either).
-        self._goodput = {True: [0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0]}
-        self._off_interval, self._next_off = self.config.probe_every, 0
-        self._veto_interval, self._veto_until = self.config.probe_every, 0
-        self._planned: bool | None = None
-        self._off_probe = False  # the planned round is an off probe (not to be probed either)
         self._chain = 0  # kept probes in a row since speculation was last on
         # Probe rounds while off: whether the planned round is one, and what a probe round
-        # costs beyond a round without drafts (plain-equivalent tokens, as `_goodput`; catching
+        # costs beyond a round without drafts (plain-equivalent tokens, as `check`; catching
         # the drafter up included: probes spaced wider catch up on more, so a drafter whose
         # catching up alone costs more than `probe_share` is probed at the widest spacing).
         self._probing, self._probe_extra = False, None  # None: not measured yet
@@ -100,7 +93,9 @@ class SpeculationPolicy:
         self._gains_version = 0  # bumped whenever a row of `_gain_rows` is recomputed
         self._choice: tuple[tuple, list[int]] = ((), [])  # (what it was chosen from, the depths)
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
+        self.check = GoodputCheck(self.config, self.stats)  # measured goodput (`policy_goodput`)
         self._predicted: dict[int, float] = {}
+        self._quiet = False  # the next round was announced `quiet`
         width = (ceiling.max_nodes - 1) / depth if ceiling.max_depth else 0.0
         self._nodes = [1 + min(ceiling.max_nodes - 1, k * width) for k in range(depth + 1)]
         self._node_counts = [int(round(n)) for n in self._nodes]  # a depth's budget nodes
@@ -116,6 +111,7 @@ class SpeculationPolicy:
     ) -> list[TreeBudget]:
         """Next round's budget per sequence; `limits` are each one's own ceiling (rows, max_tokens);
         `greedy`, whether each decodes greedily (its batch-wide prior; None: all greedy)."""
+        self._quiet = False
         if not seq_ids:
             return []
         if greedy is not None:
@@ -128,8 +124,8 @@ class SpeculationPolicy:
         vetoed = self._vetoed()
         if not self.config.adaptive:  # fixed K: nothing to decide, nor to predict
             depths, predicted = ceiling, [None] * len(seq_ids)
-        elif (vetoed and not self._due()) or self._all_off():  # speculation does not pay: no solve
-            self._planned, self._off_probe = False, False
+        elif self._off(vetoed):  # speculation does not pay: no solve
+            self.check.planned, self.check.off_probe = False, False
             self.stats.vetoed_rounds += vetoed
             depths = self._probed(seq_ids, [0] * len(seq_ids), ceiling)
             predicted = [
@@ -154,7 +150,7 @@ class SpeculationPolicy:
                 out.append(NO_DRAFT)
             else:
                 nodes = min(limit.max_nodes, self._node_counts[k])
-                out.append(TreeBudget(max_nodes=nodes, max_depth=k, top_k=limit.top_k, q_width=limit.q_width))
+                out.append(shared_budget(nodes, k, limit.top_k, limit.q_width))
         if not any(depths):
             self.stats.rounds_off += 1
         return out
@@ -173,27 +169,15 @@ class SpeculationPolicy:
     ) -> None:
         """One round's evidence: each verified sequence's draft outcome, and what it cost;
         `draft_nodes`, each tree's nodes below the root (None: chains, as deep as many)."""
-        self.rounds += 1
         config = self.config
-        # What plain decoding would have committed in this round's time: B tokens per verify(B).
-        a, b, *_ = self.verify_cost.coefficients()
-        plain_s = a + b * len(outcomes)
-        worth = (round_s + draft_wait_s) * len(outcomes) / (plain_s if plain_s > 0 else 1.0)
-        evidence = (sum(o[4] for o in outcomes), worth, 1.0)
-        if self._planned is not None and not prefill_tokens:  # prompt chunks would blur the rate
-            kept = self._goodput[self._planned]
-            for i, value in enumerate(evidence):
-                kept[i] = config.goodput_decay * kept[i] + value
-        off = self._goodput[False]
-        if self._probing and not prefill_tokens and off[2] > 0:
-            extra = max(0.0, worth - off[1] / off[2])
-            self._probe_extra = extra if self._probe_extra is None else 0.5 * (self._probe_extra + extra)
-        self._probing = False
+        committed = sum(o[4] for o in outcomes)
+        worth, plain_s = self._measure(len(outcomes), committed, round_s + draft_wait_s, prefill_tokens)
+        off = self.check.off
         # Whether this round (a probe, while speculation is off) measured at least the goodput
         # of rounds without drafts (true until those are measured), but for the drafter's
         # catching up on every token since the last probe: the pause's cost, not drafting's.
         worth -= self.draft_cost.coefficients()[2] * self._sent * len(outcomes) / (plain_s or 1.0)
-        probe_paid = off[2] < config.off_min_rounds or evidence[0] * off[1] >= off[0] * max(worth, 0.0)
+        probe_paid = off[2] < config.off_min_rounds or committed * off[1] >= off[0] * max(worth, 0.0)
         asked = drafted = 0
         self._tree_nodes *= config.global_decay
         self._tree_depths *= config.global_decay
@@ -233,6 +217,55 @@ class SpeculationPolicy:
             self.draft_cost.add((deepest_budget, self._sent), draft_wait_s)
         self._sent = 0
 
+    def _measure(
+        self, num_seqs: int, committed: int, seconds: float, prefill_tokens: int
+    ) -> tuple[float, float]:
+        """A round's goodput evidence (see `_vetoed`): its worth in plain-equivalent tokens
+        (what plain decoding would have committed in its time: B tokens per verify(B)), and
+        verify(B)."""
+        self.rounds += 1
+        a, b, *_ = self.verify_cost.coefficients()
+        plain_s = a + b * num_seqs
+        worth = seconds * num_seqs / (plain_s if plain_s > 0 else 1.0)
+        self.check.record(committed, worth, prefill_tokens)
+        off = self.check.off
+        if self._probing and not prefill_tokens and off[2] > 0:
+            extra = max(0.0, worth - off[1] / off[2])
+            self._probe_extra = extra if self._probe_extra is None else 0.5 * (self._probe_extra + extra)
+        self._probing = False
+        return worth, plain_s
+
+    def quiet(self, num_seqs: int) -> bool:
+        """Whether next round is off for every sequence with nothing to decide: speculation is
+        off, no solve or probe is due, and no sequence could draft deeper than the last solve
+        weighed. Then the engine sends no budgets and `observe_round` only measures the round
+        (at batch 1 the full path cost ~2% of a round without drafts, in every such round).
+        Counted as `budgets` would."""
+        self._quiet = False
+        if not (self.config.adaptive and num_seqs):
+            return False
+        vetoed = self._vetoed()
+        calm = (
+            self._off(vetoed)
+            and self.rounds < self._next_probe
+            and self._solved_cap >= self.ceiling.max_depth
+        )
+        self._quiet = calm
+        if calm:
+            self.check.planned, self.check.off_probe = False, False
+            self.stats.depth_counts[0] += num_seqs
+            self.stats.rounds_off += 1
+            self.stats.vetoed_rounds += vetoed
+        return calm
+
+    def observe_quiet(
+        self, num_seqs: int, committed: int, forward_tokens: int, round_s: float, prefill_tokens: int
+    ) -> None:
+        """`observe` for a round `quiet` announced: no sequence was asked to draft."""
+        self._measure(num_seqs, committed, round_s, prefill_tokens)
+        self.verify_cost.add((forward_tokens, 0, 0), round_s)
+        self._sent = 0
+
     def sent(self, tokens: int) -> None:
         """The tokens the drafter was just sent with its requests (what it must catch up on
         before drafting), for the draft-cost fit."""
@@ -248,20 +281,18 @@ class SpeculationPolicy:
         round_s: float,
     ) -> None:
         """`observe`, from the engine's round: what each sequence's draft earned, what it cost."""
-        output = result.num_output_tokens.tolist()
+        output = result.num_output_tokens.tolist()[: len(trees)]  # (after them: prompts that finished)
+        if self._quiet:  # nobody was asked to draft (`quiet`)
+            tokens = len(trees) + plan.num_prefill_tokens
+            self.observe_quiet(len(trees), sum(output), tokens, round_s, plan.num_prefill_tokens)
+            return
         budgets = [s.budget.max_depth if s.budget is not None else 0 for s in verified]
+        nodes = [tree.parents.shape[0] - 1 for tree in trees]  # below the root
         outcomes = [
-            (
-                seq.seq_id,
-                budgets[b],
-                tree_depth(tree) if tree.parents.shape[0] > 1 else 0,
-                output[b] - 1,
-                output[b],
-            )
-            for b, (seq, tree) in enumerate(zip(verified, trees, strict=True))
+            (seq.seq_id, budget, tree_depth(tree) if n else 0, out - 1, out)
+            for seq, tree, budget, n, out in zip(verified, trees, budgets, nodes, output, strict=True)
         ]
-        tokens = int(plan.trees.cu_num_draft_tokens[-1]) + plan.num_prefill_tokens
-        nodes = [tree.parents.shape[0] - 1 for tree in trees]
+        tokens = sum(nodes) + len(nodes) + plan.num_prefill_tokens  # the forward's (Python ints)
         self.observe(
             outcomes, tokens, round_s, max(budgets, default=0), draft_wait_s, plan.num_prefill_tokens, nodes
         )
@@ -317,6 +348,10 @@ class SpeculationPolicy:
     def _due(self) -> bool:
         return self._solved is None or self.rounds >= self._next_solve
 
+    def _off(self, vetoed: bool) -> bool:
+        """Whether this round is off without a solve: vetoed with none due, or all off."""
+        return (vetoed and not self._due()) or self._all_off()
+
     def _all_off(self) -> bool:
         """The last solve gave every sequence depth 0, and the next is not due yet."""
         adaptive = self.config.adaptive and not self._warming_up()
@@ -364,60 +399,13 @@ class SpeculationPolicy:
         return choice
 
     def _vetoed(self) -> bool:
-        """Whether speculation is vetoed this round (see the module docstring): drafting rounds
-        measured fewer committed tokens per second than rounds without drafts. Called once a round."""
-        if not self.config.adaptive or self._warming_up():
-            return False
-        if self.rounds < self._veto_until:
-            return True
-        on, off = self._goodput[True], self._goodput[False]
-        if not self._measured():
-            return False
-        if on[0] * off[1] >= (1.0 - self.config.goodput_margin) * off[0] * on[1]:  # pays, or within noise
-            self._veto_interval = self.config.probe_every
-            return False
-        self._veto_until = self.rounds + self._veto_interval
-        self._veto_interval = min(2 * self._veto_interval, self.config.max_probe_every)
-        self._goodput[True] = [0.0, 0.0, 0.0]  # the retry after it measures afresh
-        return True
-
-    def _measured(self) -> bool:
-        """Both kinds of round measured enough for the goodput check."""
-        config = self.config
-        return (
-            self._goodput[True][2] >= config.goodput_min_rounds
-            and self._goodput[False][2] >= config.off_min_rounds
-        )
+        return self.config.adaptive and not self._warming_up() and self.check.vetoed(self.rounds)
 
     def _checked(self, depths: list[int], vetoed: bool) -> list[int]:
-        """The solver's depths, unless measured goodput says otherwise (see the module docstring):
-        all 0 on an off probe, or while drafting rounds measure fewer tokens per second than
-        rounds without drafts."""
-        self._planned, self._off_probe = None, False
         if not self.config.adaptive or self._warming_up():
+            self.check.planned, self.check.off_probe = None, False
             return depths
-        if not any(depths):  # measures rounds without drafts as an off probe would (a
-            self._planned = False  # request's last round at batch 1): the next probe waits
-            self._next_off_probe()
-            return depths
-        if vetoed:
-            self.stats.vetoed_rounds += 1
-            self._planned = False
-            return [0] * len(depths)
-        if self.rounds >= self._next_off:
-            self._next_off_probe()
-            self.stats.off_probes += 1
-            self._planned, self._off_probe = False, True
-            return [0] * len(depths)
-        self._planned = True
-        return depths
-
-    def _next_off_probe(self) -> None:
-        """A round without drafts is measured now: the next off probe is due an interval on,
-        spaced ever wider once both kinds are measured (and drafting wins: not vetoed)."""
-        if self._measured():
-            self._off_interval = min(2 * self._off_interval, self.config.max_probe_every)
-        self._next_off = self.rounds + self._off_interval
+        return self.check.checked(depths, vetoed, self.rounds)
 
     def _probed(self, seq_ids: Seq[int], depths: list[int], ceiling: list[int]) -> list[int]:
         """On probe rounds every sequence not speculating drafts depth 1, so its estimates stay
@@ -431,18 +419,18 @@ class SpeculationPolicy:
             return depths
         if any(depths):
             self._probe_interval, self._chain = self.config.probe_every, 0
-        if self.rounds < self._next_probe or self._off_probe:
+        if self.rounds < self._next_probe or self.check.off_probe:
             return depths
         probed = [1 if k == 0 and cap > 0 else k for k, cap in zip(depths, ceiling, strict=True)]
         if probed != depths:  # a probe round is evidence of neither kind
-            self._planned = None
+            self.check.planned = None
         gap, config = self._probe_interval, self.config
         if not any(depths):
             self._probe_interval = min(2 * self._probe_interval, config.max_probe_every)
             # The first probe of a chain measures what probing costs (later ones find the
             # drafter caught up).
             self._probing = self._chain == 0
-            off = self._goodput[False]
+            off = self.check.off
             if self._probe_extra is not None and off[2] > 0 and off[1] > 0:
                 share = self._probe_extra / (config.probe_share * off[1] / off[2])
                 gap = min(max(int(share), config.min_probe_every), 4 * config.max_probe_every)

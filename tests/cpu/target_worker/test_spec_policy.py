@@ -222,7 +222,7 @@ def test_measured_goodput_vetoes_drafts_the_cost_model_favours_then_retries_them
     # measured check holds it back.
     policy._depths = lambda rows, ceiling, prefill_tokens: list(ceiling)
     config, n = policy.config, 20.0
-    policy._goodput = {True: [n, 2 * n, n], False: [n, n, n]}  # 0.5 vs 1 committed per plain token
+    policy.check.kinds = {True: [n, 2 * n, n], False: [n, n, n]}  # 0.5 vs 1 committed per plain token
     # Drafting rounds a retry takes to gather the decayed rounds of evidence a check needs.
     need = next(
         i
@@ -392,3 +392,36 @@ def test_rounds_without_drafts_stand_in_for_off_probes():
             1e-4,
         )
     assert policy.stats.off_probes - probes <= 1
+
+
+def test_quiet_rounds_decide_as_the_full_path_does():
+    """While speculation is off with nothing due, the engine skips `budgets` (`quiet`) and
+    the round is only measured (`observe_quiet`): the decisions, counters and measurements
+    are those of the full path, round for round, and most rounds are quiet."""
+
+    def drive(quiet: bool) -> tuple[list[int], SpeculationPolicy, int]:
+        policy, rng = SpeculationPolicy(CEILING), random.Random(0)
+        simulate(policy, {0: 0.05}, rounds=30, verify=(1e-3, 1e-3, 1e-4), draft=(5e-4, 1e-3))
+        depths, quiet_rounds = [], 0
+        for _ in range(400):
+            if quiet and policy.quiet(1):
+                quiet_rounds += 1
+                depths.append(0)
+                policy.observe_quiet(1, 1, 1, 2e-3, 0)
+                continue
+            depth = policy.budgets([0], [CEILING], 0)[0].max_depth
+            depths.append(depth)
+            kept = int(depth > 0 and rng.random() < 0.05)
+            round_s = 1e-3 + 1e-3 * (1 + depth) + 1e-4 * (depth > 0)
+            wait_s = 5e-4 + 1e-3 * depth if depth else 0.0
+            policy.observe([(0, depth, depth, kept, kept + 1)], 1 + depth, round_s, depth, wait_s)
+        return depths, policy, quiet_rounds
+
+    full, full_policy, _ = drive(quiet=False)
+    fast, fast_policy, quiet_rounds = drive(quiet=True)
+    assert fast == full
+    assert quiet_rounds > 300
+    stats = ("depth_counts", "rounds_off", "vetoed_rounds", "off_probes")
+    assert [getattr(fast_policy.stats, k) for k in stats] == [getattr(full_policy.stats, k) for k in stats]
+    for kind in (True, False):
+        assert fast_policy.check.kinds[kind] == pytest.approx(full_policy.check.kinds[kind])

@@ -1,0 +1,83 @@
+"""The speculation policy's model checked against measurement (`spec_policy`, docs/algorithms.md
+section 2c): committed tokens per plain-equivalent token of the rounds the solver drafted in
+and of rounds nobody drafted, off probes that keep the second current, and a veto on drafting
+while it measures less."""
+
+from __future__ import annotations
+
+from outrider.target_worker.policy_config import PolicyConfig, PolicyStats
+
+
+class GoodputCheck:
+    def __init__(self, config: PolicyConfig, stats: PolicyStats):
+        self.config, self.stats = config, stats
+        # Decayed [tokens, plain-equivalent tokens, rounds] of rounds the solver drafted in
+        # (True) and of rounds nobody drafted (False).
+        self.kinds = {True: [0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0]}
+        self.planned: bool | None = None  # the planned round's kind (None: a probe or warm-up round)
+        self.off_probe = False  # the planned round is an off probe (not to be probed either)
+        self._off_interval, self._next_off = config.probe_every, 0
+        self._veto_interval, self.veto_until = config.probe_every, 0
+
+    @property
+    def off(self) -> list[float]:
+        return self.kinds[False]
+
+    def record(self, committed: int, worth: float, prefill_tokens: int) -> None:
+        """A round's committed tokens and its worth in plain-equivalent tokens (what plain
+        decoding would have committed in its time), under the planned round's kind."""
+        if self.planned is not None and not prefill_tokens:  # prompt chunks would blur the rate
+            kept, decay = self.kinds[self.planned], self.config.goodput_decay
+            for i, value in enumerate((committed, worth, 1.0)):
+                kept[i] = decay * kept[i] + value
+
+    def vetoed(self, rounds: int) -> bool:
+        """Whether drafting is vetoed this round: drafting rounds measured more than
+        `goodput_margin` fewer committed tokens per plain-equivalent token than rounds
+        without drafts. Called once a round."""
+        if rounds < self.veto_until:
+            return True
+        on, off = self.kinds[True], self.kinds[False]
+        if not self.measured():
+            return False
+        if on[0] * off[1] >= (1.0 - self.config.goodput_margin) * off[0] * on[1]:  # pays, or within noise
+            self._veto_interval = self.config.probe_every
+            return False
+        self.veto_until = rounds + self._veto_interval
+        self._veto_interval = min(2 * self._veto_interval, self.config.max_probe_every)
+        self.kinds[True] = [0.0, 0.0, 0.0]  # the retry after it measures afresh
+        return True
+
+    def measured(self) -> bool:
+        """Both kinds of round measured enough for the check."""
+        config = self.config
+        return (
+            self.kinds[True][2] >= config.goodput_min_rounds and self.kinds[False][2] >= config.off_min_rounds
+        )
+
+    def checked(self, depths: list[int], vetoed: bool, rounds: int) -> list[int]:
+        """The solver's depths, unless measurement says otherwise: all 0 on an off probe, or
+        while vetoed."""
+        self.planned, self.off_probe = None, False
+        if not any(depths):  # measures rounds without drafts as an off probe would (a
+            self.planned = False  # request's last round at batch 1): the next probe waits
+            self._next_off_probe(rounds)
+            return depths
+        if vetoed:
+            self.stats.vetoed_rounds += 1
+            self.planned = False
+            return [0] * len(depths)
+        if rounds >= self._next_off:
+            self._next_off_probe(rounds)
+            self.stats.off_probes += 1
+            self.planned, self.off_probe = False, True
+            return [0] * len(depths)
+        self.planned = True
+        return depths
+
+    def _next_off_probe(self, rounds: int) -> None:
+        """A round without drafts is measured now: the next off probe is due an interval on,
+        spaced ever wider once both kinds are measured (and drafting wins: not vetoed)."""
+        if self.measured():
+            self._off_interval = min(2 * self._off_interval, self.config.max_probe_every)
+        self._next_off = rounds + self._off_interval
