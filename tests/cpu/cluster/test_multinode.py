@@ -126,16 +126,25 @@ def complete(client, prompt: str, stream: bool, started: threading.Event | None 
     return "".join(parts), tokens
 
 
-def under_load(topology: Topology, app: str, action, copies: int = 2) -> list[tuple[str, str, int]]:
+def under_load(
+    topology: Topology, app: str, action, copies: int = 2, every: bool = True
+) -> list[tuple[str, str, int]]:
     """Every prompt `copies` times on `app`, streamed and whole alternately; `action()` runs once
-    every stream has produced text. Returns (prompt, text, completion tokens) per request."""
+    every stream has produced text (`every`), or the first one has. Returns (prompt, text,
+    completion tokens) per request."""
     client = topology.client(app)
     jobs = [(p, i % 2 == 0) for p in PROMPTS for i in range(copies)]
     events = [threading.Event() for _ in jobs]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(complete, client, p, s, e) for (p, s), e in zip(jobs, events, strict=True)]
-        for (_, stream), event in zip(jobs, events, strict=True):
-            assert not stream or event.wait(60), "a stream produced nothing"
+        if every:
+            for (_, stream), event in zip(jobs, events, strict=True):
+                assert not stream or event.wait(60), "a stream produced nothing"
+        else:
+            deadline = time.monotonic() + 60
+            while not any(e.is_set() for e in events):
+                assert time.monotonic() < deadline, "no stream produced anything"
+                time.sleep(0.01)
         action()
         results = [f.result(timeout=180) for f in futures]
     return [(p, text, n) for (p, _), (text, n) in zip(jobs, results, strict=True)]
@@ -187,7 +196,9 @@ def test_target_replica_killed_mid_stream_resumes_token_exact(topology):
     def kill() -> None:
         ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
 
-    for prompt, text, n in under_load(topology, "pool", kill):
+    # Killed at the first streamed text, while every choice is still running: once all had
+    # text (90 tokens of ngram speculation on the tiny demo), the victim's could be done.
+    for prompt, text, n in under_load(topology, "pool", kill, every=False):
         assert (text, n) == (topology.reference[prompt], MAX_TOKENS), prompt
     resumed = metric(get(f"{topology.url}/pool/metrics")[1], "outrider:request_resumes_total") - before
     assert resumed >= 1  # the victim held some of the 12 choices; each went on elsewhere
