@@ -351,46 +351,44 @@ def test_short_requests_are_solved_on_the_usual_schedule():
 STEP = (5e-3, 2e-4, 5e-3)
 
 
+def drafting_deep() -> SpeculationPolicy:
+    """A policy that has drafted one sequence (90% kept) at the ceiling on a `STEP` CPU."""
+    policy = SpeculationPolicy(CEILING)
+    simulate(policy, {0: 0.9}, rounds=60, verify=STEP, draft=(1e-4, 0.0))
+    return policy
+
+
+def step_round(policy: SpeculationPolicy, depth: int, kept: int) -> None:
+    """Sequence 0's round at `depth`, `kept` of it kept, priced as on a `STEP` CPU."""
+    round_s = STEP[0] + STEP[1] * (1 + depth) + STEP[2] * (depth > 0)
+    policy.observe([(0, depth, depth, kept, kept + 1)], 1 + depth, round_s, depth, 1e-4)
+
+
 def test_a_sequence_near_its_end_drafts_what_still_pays_between_solves():
     """A request's last rounds cap its depth (2 tokens left: depth 2 at most). Between solves
     the rate lam must follow: judged at the old lam (that of depth 8, ~500 tokens/s), the
     depth-2 tree (~250/s here) lost to plain decoding (~190/s) and the request ended off."""
-    policy = SpeculationPolicy(CEILING)
-    simulate(policy, {0: 0.9}, rounds=60, verify=STEP, draft=(1e-4, 0.0))
+    policy = drafting_deep()
     assert policy.budgets([0], [CEILING], 0)[0].max_depth == CEILING.max_depth
     capped = TreeBudget(max_nodes=3, max_depth=2, top_k=1)
     depths = []
     for _ in range(3):
         depth = policy.budgets([0], [capped], 0)[0].max_depth
         depths.append(depth)
-        policy.observe(
-            [(0, depth, depth, depth, depth + 1)],
-            1 + depth,
-            STEP[0] + STEP[1] * (1 + depth) + STEP[2] * (depth > 0),
-            depth,
-            1e-4,
-        )
+        step_round(policy, depth, kept=depth)
     assert depths.count(2) >= 2, depths  # one may be an off probe
 
 
 def test_rounds_without_drafts_stand_in_for_off_probes():
     """The goodput check measures rounds without drafts; at batch 1 each request's last round
     is one (no token left to draft for). Off probes then only add lost tokens."""
-    policy = SpeculationPolicy(CEILING)
-    simulate(policy, {0: 0.9}, rounds=60, verify=STEP, draft=(1e-4, 0.0))
+    policy = drafting_deep()
     ending = TreeBudget(max_nodes=1, max_depth=0, top_k=1)
     probes = policy.stats.off_probes
     for r in range(300):
         limit = ending if r % 10 == 9 else CEILING
         depth = policy.budgets([0], [limit], 0)[0].max_depth
-        kept = int(depth * 0.9)
-        policy.observe(
-            [(0, depth, depth, kept, kept + 1)],
-            1 + depth,
-            STEP[0] + STEP[1] * (1 + depth) + STEP[2] * (depth > 0),
-            depth,
-            1e-4,
-        )
+        step_round(policy, depth, kept=int(depth * 0.9))
     assert policy.stats.off_probes - probes <= 1
 
 
