@@ -22,7 +22,6 @@ class PolicyConfig:
     warmup_cycles: int = 2  # rounds 0 .. (ceiling + 1) * cycles - 1 cycle the depth 0 .. ceiling
     probe_chain: int = 32  # kept probes in a row that paid, before spacing them again
     goodput_decay: float = 0.98  # per-round decay of the measured goodput of drafting / off rounds
-    calibration_decay: float = 0.995  # per drafting round: committed / predicted tokens, a long window
     goodput_min_rounds: float = 10.0  # decayed drafting rounds (bursty) before the check can veto
     off_min_rounds: float = 3.0  # and rounds without drafts (steady: plain decoding)
     goodput_margin: float = 0.03  # drafting must measure this much less than off to be vetoed

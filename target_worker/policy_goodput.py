@@ -14,7 +14,6 @@ class GoodputCheck:
         # Decayed [tokens, plain-equivalent tokens, rounds] of rounds the solver drafted in
         # (True) and of rounds nobody drafted (False).
         self.kinds = {True: [0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0]}
-        self.calibration = [0.0, 0.0]  # decayed committed and predicted tokens of drafting rounds
         self.planned: bool | None = None  # the planned round's kind (None: a probe or warm-up round)
         self.off_probe = False  # the planned round is an off probe (not to be probed either)
         self._off_interval, self._next_off = config.probe_every, 0
@@ -24,33 +23,13 @@ class GoodputCheck:
     def off(self) -> list[float]:
         return self.kinds[False]
 
-    def record(
-        self, committed: int, worth: float, prefill_tokens: int, predicted: float | None = None
-    ) -> None:
+    def record(self, committed: int, worth: float, prefill_tokens: int) -> None:
         """A round's committed tokens and its worth in plain-equivalent tokens (what plain
-        decoding would have committed in its time), under the planned round's kind.
-
-        A drafting round counts the tokens the model `predicted` for it, scaled by what
-        drafting rounds committed per predicted token over a long window
-        (`calibration_decay`), not the tokens it committed. Acceptance comes in bursts (a
-        loop keeps every draft, the text after it few): the per-sequence estimates follow a
-        burst within a few rounds, but a ~50-round window of committed tokens lags it, and
-        over HTTP (draft_model co-located, T = 0, c = 1) the check vetoed drafting after
-        stretches of lost drafts, into the loops that followed, where the model's round
-        costs were within a few percent of the measured ones. So the check now weighs the
-        model's costs against measurement; estimates biased high still show, through the
-        long-window scale (docs/algorithms.md section 2c)."""
-        if self.planned is None or prefill_tokens:  # prompt chunks would blur the rate
-            return
-        if self.planned and predicted:
-            scale = self.calibration
-            scale[0] = self.config.calibration_decay * scale[0] + committed
-            scale[1] = self.config.calibration_decay * scale[1] + predicted
-            prior = self.config.goodput_min_rounds  # pseudo-tokens at scale 1 while few are measured
-            committed = predicted * (scale[0] + prior) / (scale[1] + prior)
-        kept, decay = self.kinds[self.planned], self.config.goodput_decay
-        for i, value in enumerate((committed, worth, 1.0)):
-            kept[i] = decay * kept[i] + value
+        decoding would have committed in its time), under the planned round's kind."""
+        if self.planned is not None and not prefill_tokens:  # prompt chunks would blur the rate
+            kept, decay = self.kinds[self.planned], self.config.goodput_decay
+            for i, value in enumerate((committed, worth, 1.0)):
+                kept[i] = decay * kept[i] + value
 
     def vetoed(self, rounds: int) -> bool:
         """Whether drafting is vetoed this round: drafting rounds measured more than

@@ -171,10 +171,7 @@ class SpeculationPolicy:
         `draft_nodes`, each tree's nodes below the root (None: chains, as deep as many)."""
         config = self.config
         committed = sum(o[4] for o in outcomes)
-        predicted = sum(self._predicted.get(o[0], o[4]) for o in outcomes)
-        worth, plain_s = self._measure(
-            len(outcomes), committed, round_s + draft_wait_s, prefill_tokens, predicted
-        )
+        worth, plain_s = self._measure(len(outcomes), committed, round_s + draft_wait_s, prefill_tokens)
         off = self.check.off
         # Whether this round (a probe, while speculation is off) measured at least the goodput
         # of rounds without drafts (true until those are measured), but for the drafter's
@@ -221,12 +218,7 @@ class SpeculationPolicy:
         self._sent = 0
 
     def _measure(
-        self,
-        num_seqs: int,
-        committed: int,
-        seconds: float,
-        prefill_tokens: int,
-        predicted: float | None = None,
+        self, num_seqs: int, committed: int, seconds: float, prefill_tokens: int
     ) -> tuple[float, float]:
         """A round's goodput evidence (see `_vetoed`): its worth in plain-equivalent tokens
         (what plain decoding would have committed in its time: B tokens per verify(B)), and
@@ -235,7 +227,7 @@ class SpeculationPolicy:
         a, b, *_ = self.verify_cost.coefficients()
         plain_s = a + b * num_seqs
         worth = seconds * num_seqs / (plain_s if plain_s > 0 else 1.0)
-        self.check.record(committed, worth, prefill_tokens, predicted)
+        self.check.record(committed, worth, prefill_tokens)
         off = self.check.off
         if self._probing and not prefill_tokens and off[2] > 0:
             extra = max(0.0, worth - off[1] / off[2])
