@@ -79,9 +79,12 @@ def run_level(
     requests: int,
     temperature: float,
     max_tokens: int,
+    ignore_eos: bool = False,
 ) -> dict:
     """`requests` streamed completions from `concurrency` threads: one row's figures."""
-    load = LoadGenerator(base, model, [], max_tokens, seed=requests * 1000 + concurrency)
+    load = LoadGenerator(
+        base, model, [], max_tokens, seed=requests * 1000 + concurrency, ignore_eos=ignore_eos
+    )
     before = spec_counters(base)
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -160,7 +163,9 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
                 if (index + j) % 2:
                     pair.reverse()
                 measured = {
-                    who: run_level(url, name, prompts, concurrency, n, temperature, args.max_tokens)
+                    who: run_level(
+                        url, name, prompts, concurrency, n, temperature, args.max_tokens, args.ignore_eos
+                    )
                     for who, url in pair
                 }
                 ratio = measured[budget]["output_tok_s"] / measured[OFF]["output_tok_s"]
@@ -227,6 +232,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ks", type=ints, default=[1, 2, 4, 8], help="fixed K to compare (default: 1,2,4,8)")
     parser.add_argument("--requests", type=int, default=16, help="requests per level (at least c)")
     parser.add_argument("--prompts", type=int, default=32, help="distinct held-out prompts")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every answer runs to --max-tokens (as vLLM's benchmark): at T = 1 answers that stop "
+        "at EOS at different lengths in the two applications weigh each request's TTFT differently",
+    )
     args = parser.parse_args(argv)
     for placement in args.placements:
         if placement not in PLACEMENTS:

@@ -70,6 +70,7 @@ class LoadGenerator:
         long_prompt_repeat: int = 4,
         seed: int = 0,
         timeout_s: float = 120.0,
+        ignore_eos: bool = False,
     ):
         url = urlparse(base_url)
         if url.hostname not in LOOPBACK:
@@ -78,6 +79,9 @@ class LoadGenerator:
         self.model, self.prompts, self.max_tokens = model, prompts, max_tokens
         self.mix, self.reference = mix or LoadMix(), dict(reference or {})
         self.long_prompt_repeat, self.timeout_s = long_prompt_repeat, timeout_s
+        # Every answer runs to max_tokens (vLLM's benchmark --ignore-eos): sampled answers that
+        # stop at EOS at different lengths weigh each request's TTFT differently.
+        self.ignore_eos = ignore_eos
         self.rng = random.Random(seed)
         self.records: list[RequestRecord] = []
         self._lock = threading.Lock()
@@ -87,6 +91,8 @@ class LoadGenerator:
 
     def request(self, prompt: str, *, stream: bool, greedy: bool, disconnect: bool = False) -> RequestRecord:
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
         body |= {"temperature": 0.0} if greedy else {"temperature": 1.0, "seed": self.rng.randrange(1 << 30)}
         if stream:
             body |= {"stream": True, "stream_options": {"include_usage": True}}

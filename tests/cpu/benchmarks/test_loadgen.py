@@ -22,8 +22,11 @@ class Stub(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
+    bodies: list[dict] = []  # every request body received
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Stub.bodies.append(body)
         text = "ok " * 3 if body["prompt"] != "wrong" else "nope"
         self.send_response(200)
         if body.get("stream"):
@@ -54,6 +57,14 @@ def stub_url():
 def test_only_the_loopback_is_driven():
     with pytest.raises(ValueError, match="this machine"):
         LoadGenerator("http://example.com:8000/app", "m", ["x"], 4)
+
+
+def test_ignore_eos_is_asked_for_only_when_set(stub_url):
+    for ignore in (False, True):
+        Stub.bodies.clear()
+        generator = LoadGenerator(stub_url, "m", [], 3, ignore_eos=ignore)
+        assert generator.request("x", stream=True, greedy=False).ok
+        assert Stub.bodies[-1].get("ignore_eos", False) is ignore
 
 
 def test_a_bounded_run_records_every_request_and_checks_greedy_answers(stub_url, tmp_path):
