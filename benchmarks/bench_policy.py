@@ -44,10 +44,13 @@ def specs(method: str, family, recording: Path) -> dict:
     raise ValueError(f"unknown method {method!r}; use ngram, draft_model or replay-<a>")
 
 
-def run_once(runner, prompts, spec, mode: str, temperature: float, max_tokens: int, policies: dict) -> dict:
+def run_once(
+    runner, prompts, spec, mode: str, temperature: float, max_tokens: int, policies: dict, seed: int = 0
+) -> dict:
     """One batch of seeded requests in `mode`. The adaptive policy in `policies[mode]` carries
     over from run to run, as in a long-running server (a fresh one spends its first rounds
-    measuring every depth)."""
+    measuring every depth). `seed` seeds the replay drafter's corruptions: each repeat draws
+    afresh (with one seed every repeat of a fixed K would keep exactly the same tokens)."""
     from outrider.draft_worker import build_proposer
     from outrider.proto import TreeBudget
     from outrider.target_worker.draft_source import InProcessDraftSource
@@ -57,6 +60,8 @@ def run_once(runner, prompts, spec, mode: str, temperature: float, max_tokens: i
     source, depth = None, CEILING_DEPTH if mode == "adaptive" else (int(mode[1:]) if mode != "plain" else 0)
     if mode != "plain":
         config = {**spec, "num_speculative_tokens": depth}
+        if spec["method"] == "replay":
+            config["seed"] = seed
         source = InProcessDraftSource(build_proposer(config, vocab_size=runner.model.vocab_size))
     engine = Engine(
         runner,
@@ -118,7 +123,7 @@ def measure(runner, prompts, method, spec, temperature, args) -> list[dict]:
         shift = repeat % len(modes)
         for mode in modes[shift:] + modes[:shift]:
             samples[mode].append(
-                run_once(runner, prompts, spec, mode, temperature, args.max_tokens, policies)
+                run_once(runner, prompts, spec, mode, temperature, args.max_tokens, policies, repeat + 1)
             )
     plain = [s["tokens_per_s"] for s in samples["plain"]]
     line = samples["adaptive"][0]["verify_line"]

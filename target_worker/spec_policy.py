@@ -376,11 +376,15 @@ class SpeculationPolicy:
             return dinkelbach(rows, seconds, ceiling, m, fixed_s + (c + e * m if m else 0.0), self._lam)
 
         # A full solve weighs every deepest budget m (it sets the drafter's wait); between
-        # solves (every `resolve_every` rounds, or wider) only the last m is kept, and each
-        # sequence re-picks its depth as its estimates or its own ceiling move (a request's
-        # last tokens: judged at the old rate alone, a 2-token tree that beats plain was "off").
-        options = [best(m) for m in range(len(rows[0][0]))] if due else [best(self._solved[0])]
-        pick = max(range(len(options)), key=lambda i: options[i][0])  # the first of equals
+        # solves (every `resolve_every` rounds, or wider) only the last m and no drafts at all:
+        # each sequence re-picks its depth as its estimates or its own ceiling move (a
+        # request's last tokens: judged at the old rate alone, a 2-token tree that beats plain
+        # was "off"), and the drafter's wait is weighed against not drafting (priced as paid
+        # whatever the sequences chose, a sequence whose drafts stopped being kept at batch 1
+        # drafted the full m until the next solve, up to `max_resolve_every` rounds).
+        ms = range(len(rows[0][0])) if due else sorted({0, self._solved[0]})
+        options = {m: best(m) for m in ms}
+        pick = max(ms, key=lambda m: options[m][0])  # the first of equals
         self._lam, choice = options[pick]
         if due:
             # Solves that keep their answer (the deepest budget; speculation off included) are

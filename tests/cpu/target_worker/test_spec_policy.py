@@ -423,3 +423,26 @@ def test_quiet_rounds_decide_as_the_full_path_does():
     assert [getattr(fast_policy.stats, k) for k in stats] == [getattr(full_policy.stats, k) for k in stats]
     for kind in (True, False):
         assert fast_policy.check.kinds[kind] == pytest.approx(full_policy.check.kinds[kind])
+
+
+def test_a_drafter_wait_that_stops_paying_is_weighed_between_solves():
+    """A draft model's wait (11 ms at depth 8) against 5 ms rounds: worth it while 90% of
+    drafts are kept, not once 5% are. Each sequence's own costs are small beside the wait,
+    so not drafting at all must be weighed between solves too: with the wait priced as paid
+    whatever the sequence chose, it drafted at depth 8 until the next solve (40 rounds on)."""
+    verify, draft = (5e-3, 2e-4, 1e-4), (3e-3, 1e-3)
+    policy = SpeculationPolicy(CEILING)
+    assert simulate(policy, {0: 0.9}, rounds=300, verify=verify, draft=draft)[0] >= 5
+    next_solve = policy._next_solve
+    assert next_solve - policy.rounds > 30  # solves kept their answer: spaced wide
+    depths, rng = [], random.Random(1)
+    while depths[-3:] != [0, 0, 0]:
+        depth = policy.budgets([0], [CEILING], 0)[0].max_depth
+        depths.append(depth)
+        kept = 0
+        while kept < depth and rng.random() < 0.05:
+            kept += 1
+        round_s = verify[0] + verify[1] * (1 + depth) + verify[2] * (depth > 0)
+        wait_s = draft[0] + draft[1] * depth if depth else 0.0
+        policy.observe([(0, depth, depth, kept, kept + 1)], 1 + depth, round_s, depth, wait_s)
+    assert policy.rounds < next_solve - 20, depths
