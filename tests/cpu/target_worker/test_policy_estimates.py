@@ -59,3 +59,45 @@ def test_expected_gains_survive_along_the_draft_and_price_the_width_drafted():
     assert narrow == pytest.approx([1, 1.5, 2, 2.5, 3], abs=0.05)
     shallow, _, _ = expected_gains([None], glob, 4.0, 1, 2.0, budget)[0]
     assert shallow == pytest.approx([1, 2, 3, 3, 3], abs=0.1)
+
+
+def test_dinkelbach_finds_the_best_deepest_budget_and_depths():
+    """Against every (m, depths) enumerated: the batch's best committed tokens per second,
+    with the drafter's wait set by m, each sequence within its own ceiling and m (from rate
+    0: four iterations are enough)."""
+    import itertools
+    import random
+
+    from outrider.target_worker.policy_estimates import dinkelbach
+
+    rng = random.Random(0)
+    for trial in range(200):
+        batch, depth = rng.randint(1, 3), rng.randint(1, 4)
+        rows, seconds = [], []
+        for _ in range(batch):
+            keep, tokens = rng.random(), [1.0]
+            for _ in range(depth):
+                tokens.append(tokens[-1] + keep ** len(tokens))
+            rows.append((tokens, [1.0] * (depth + 1), [0.0] * (depth + 1)))
+            step = rng.uniform(1e-4, 3e-3)
+            seconds.append([2e-4] + [2e-4 + step * d for d in range(1, depth + 1)])
+        ceiling = [rng.randint(0, depth) for _ in range(batch)]
+        base, per_m = rng.uniform(1e-3, 5e-3), rng.uniform(0.0, 2e-3)
+        wait = [0.0] + [rng.uniform(0.0, 1e-3) + per_m * m for m in range(1, depth + 1)]
+        ms = list(range(depth + 1)) if trial % 2 else sorted({0, rng.randint(0, depth)})
+
+        def rate(m, ks):
+            return sum(r[0][k] for r, k in zip(rows, ks)) / (
+                base + wait[m] + sum(s[k] for s, k in zip(seconds, ks))
+            )
+
+        best = max(
+            rate(m, ks)
+            for m in ms
+            for ks in itertools.product(*(range(min(cap, m) + 1) for cap in ceiling))
+        )
+        solved = {m: dinkelbach(rows, seconds, ceiling, m, base + wait[m], 0.0) for m in ms}
+        m = max(ms, key=lambda m: solved[m][0])  # as the policy picks among them
+        lam, ks = solved[m]
+        assert m in ms and all(k <= min(cap, m) for k, cap in zip(ks, ceiling))
+        assert rate(m, ks) == pytest.approx(best, rel=1e-6) and lam == pytest.approx(best, rel=1e-3)
