@@ -86,18 +86,16 @@ def test_dinkelbach_finds_the_best_deepest_budget_and_depths():
         wait = [0.0] + [rng.uniform(0.0, 1e-3) + per_m * m for m in range(1, depth + 1)]
         ms = list(range(depth + 1)) if trial % 2 else sorted({0, rng.randint(0, depth)})
 
-        def rate(m, ks):
-            return sum(r[0][k] for r, k in zip(rows, ks)) / (
-                base + wait[m] + sum(s[k] for s, k in zip(seconds, ks))
+        def rate(m, ks, rows=rows, seconds=seconds, base=base, wait=wait):
+            return sum(r[0][k] for r, k in zip(rows, ks, strict=True)) / (
+                base + wait[m] + sum(s[k] for s, k in zip(seconds, ks, strict=True))
             )
 
         best = max(
-            rate(m, ks)
-            for m in ms
-            for ks in itertools.product(*(range(min(cap, m) + 1) for cap in ceiling))
+            rate(m, ks) for m in ms for ks in itertools.product(*(range(min(cap, m) + 1) for cap in ceiling))
         )
         solved = {m: dinkelbach(rows, seconds, ceiling, m, base + wait[m], 0.0) for m in ms}
         m = max(ms, key=lambda m: solved[m][0])  # as the policy picks among them
         lam, ks = solved[m]
-        assert m in ms and all(k <= min(cap, m) for k, cap in zip(ks, ceiling))
+        assert m in ms and all(k <= min(cap, m) for k, cap in zip(ks, ceiling, strict=True))
         assert rate(m, ks) == pytest.approx(best, rel=1e-6) and lam == pytest.approx(best, rel=1e-3)
