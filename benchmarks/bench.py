@@ -247,26 +247,6 @@ def method_table(models: Models, methods: list[str]) -> dict[str, dict | None]:
     return table
 
 
-class KeepTokens:
-    """An Engine as `bench_drafting.generate_one` sees it, keeping the tokens of each run."""
-
-    def __init__(self, engine):
-        self.engine, self.tokens = engine, []
-
-    @property
-    def stats(self):
-        return self.engine.stats
-
-    @stats.setter
-    def stats(self, value) -> None:
-        self.engine.stats = value
-
-    def generate(self, prompts, params):
-        out = self.engine.generate(prompts, params)
-        self.tokens = out[0].token_ids
-        return out
-
-
 def cli_main(args: argparse.Namespace) -> int:
     """The `outrider bench` subcommand (and `python -m outrider.benchmarks.bench`)."""
     if args.schema:

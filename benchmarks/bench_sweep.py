@@ -4,7 +4,9 @@ One sweep, for each prompt set, temperature, repeat and prompt:
 
     for name in shuffled(methods + peers):       # a new order for every prompt
         run = generate(name, prompt, seed)       # seeded: every name draws from the same seed
-    plain's run of this prompt is every run's pair (speedup_paired, token identity at T = 0)
+    every engine run goes step by step beside a plain partner (`bench_drafting.lockstep`):
+    its ratios to plain (speedup_vs_plain, speedup_paired); plain's run of this prompt is
+    the reference for token identity at T = 0 and for the peers
 
 Rows are `bench_drafting.row_for`'s (tokens/s median over prompts, speedup vs plain, tau,
 per-position acceptance, looping share, tau on non-looping outputs) plus the counts noise
@@ -17,11 +19,12 @@ import argparse
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from outrider.benchmarks.bench import PRIMARY_SET, KeepTokens, Models, method_table, resolve_models
+from outrider.benchmarks.bench import PRIMARY_SET, Models, method_table, resolve_models
 from outrider.benchmarks.bench_drafting import (
     Cell,
     Run,
@@ -51,12 +54,20 @@ def with_budget_policies(table: dict[str, dict | None], policy: str) -> dict[str
 def engine_runs(
     runner, table: dict[str, dict | None], vocab: int, skipped: list[dict]
 ) -> dict[str, Generate]:
-    """One Engine per config on the shared runner; a config that fails to build is skipped, with why."""
+    """One Engine per config on the shared runner; a config that fails to build is skipped, with why.
+
+    Every run, plain's too (the measurement's own bias: plain against plain), runs in
+    `lockstep` with one plain partner Engine on the same weights and a KV cache of its own:
+    each run's ratio to plain is measured on the same moments of the machine."""
     from outrider.draft_worker import build_proposer
     from outrider.proto import DEFAULT_TREE_BUDGET
     from outrider.target_worker.draft_source import InProcessDraftSource
     from outrider.target_worker.engine import Engine
+    from outrider.target_worker.kv_cache import KVCache
+    from outrider.target_worker.runner import ModelRunner
 
+    cache = KVCache(runner.model.kv_spec(), runner.cache.total_rows, runner.device)
+    partner = Engine(ModelRunner(runner.model, cache, runner.max_model_len), None, eos_token_id=None)
     out: dict[str, Generate] = {}
     for label, config in table.items():
         try:
@@ -66,18 +77,16 @@ def engine_runs(
                 {"method": config["method"], "label": label, "reason": f"proposer failed to build: {e}"}
             )
             continue
-        engine = KeepTokens(
-            Engine(
-                runner,
-                source and InProcessDraftSource(source),
-                eos_token_id=None,
-                tree_budget=source.proposer.config.budget if source else DEFAULT_TREE_BUDGET,
-                budget_policy=(config or {}).get("budget_policy", "fixed"),
-            )
+        engine = Engine(
+            runner,
+            source and InProcessDraftSource(source),
+            eos_token_id=None,
+            tree_budget=source.proposer.config.budget if source else DEFAULT_TREE_BUDGET,
+            budget_policy=(config or {}).get("budget_policy", "fixed"),
         )
 
         def run(prompt, params, engine=engine, source=source):
-            return generate_one(engine, source, prompt, params), engine.tokens
+            return generate_one(engine, source, prompt, params, partner)
 
         out[label] = run
     return out
@@ -137,7 +146,9 @@ def sweep(
                     got = {name: runs[name](prompt.token_ids, params) for name in order}
                     plain, plain_tokens = got["plain"]
                     for name, (run, tokens) in got.items():
-                        run.prompt, run.repeat, run.plain_tokens_per_s = i, repeat, plain.tokens_per_s
+                        run.prompt, run.repeat = i, repeat
+                        if not run.lockstep:  # a peer: against plain's own run of this prompt
+                            run.plain_tokens_per_s = plain.tokens_per_s
                         key = (name, prompt_set, temperature)
                         cells.setdefault(key, Cell()).runs.append(run)
                         if temperature == 0:
@@ -287,11 +298,16 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
 
     log(f"prompts ready; warming up {len(runs)} configurations")
     # Lazy initialisation out of the timed runs, and for `+adaptive` configurations the
-    # speculation policy's first rounds (it cycles every depth to fit its costs): each engine
-    # keeps its policy across the sweep, as a server that has run a while.
-    warm = RequestParams(max_tokens=min(64, args.max_tokens), ignore_eos=True)  # within the context
+    # speculation policy's first rounds (it cycles every depth to fit its costs, and learns
+    # greedy and sampled requests apart): each engine keeps its policy across the sweep, as a
+    # server that has run a while, at every temperature.
+    warm = [
+        RequestParams(max_tokens=min(64, args.max_tokens), temperature=t, seed=0, ignore_eos=True)
+        for t in temperatures
+    ]  # within the context
     for run in runs.values():
-        run(prompts_by_set[primary][0].token_ids, warm)
+        for params in warm:
+            run(prompts_by_set[primary][0].token_ids, params)
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     cells, identical = sweep(runs, prompts_by_set, temperatures, args.repeats, args.max_tokens, rng, log)
@@ -313,7 +329,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     if tree_configs:
         tree_runs = engine_runs(runner, tree_configs, vocab, skipped)
         for run in tree_runs.values():
-            run(prompts_by_set[primary][0].token_ids, warm)
+            run(prompts_by_set[primary][0].token_ids, replace(warm[0], temperature=0.0))
         cells, identical = sweep(
             tree_runs, {primary: prompts_by_set[primary]}, [0.0], args.repeats, args.max_tokens, rng, log
         )

@@ -69,6 +69,7 @@ def test_bench_quick_json(tiny_family, quick_heads, tmp_path, capsys):
     for row in report["results"]:
         if row["method"] == "plain":
             assert row["speedup_vs_plain"] == 1.0 and row["target_forwards_per_token"] == 1.0
+            assert row["speedup_paired"] > 0  # plain beside its plain partner: the control
         if row["temperature"] == 0:  # lossless: speculative greedy output is plain greedy output
             assert row["greedy_identical"] == 1.0, row["method"]
         else:
