@@ -16,6 +16,7 @@ cannot move and the comparison with the peers.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import time
 from collections.abc import Callable
@@ -68,6 +69,7 @@ def engine_runs(
 
     cache = KVCache(runner.model.kv_spec(), runner.cache.total_rows, runner.device)
     partner = Engine(ModelRunner(runner.model, cache, runner.max_model_len), None, eos_token_id=None)
+    turns = itertools.count()  # who steps first, the engine or the partner, alternates run by run
     out: dict[str, Generate] = {}
     for label, config in table.items():
         try:
@@ -86,7 +88,7 @@ def engine_runs(
         )
 
         def run(prompt, params, engine=engine, source=source):
-            return generate_one(engine, source, prompt, params, partner)
+            return generate_one(engine, source, prompt, params, partner, next(turns) % 2)
 
         out[label] = run
     return out

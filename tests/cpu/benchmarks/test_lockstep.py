@@ -54,6 +54,10 @@ def test_lockstep_steps_whichever_engine_has_spent_least(monkeypatch):
     assert order == ["fast", "slow", "fast", "fast", "fast", "slow", "fast", "fast"]
     assert (fast_s, slow_s) == (6.0, 6.0)
     assert fast_tokens == [5, 4, 3, 2, 1, 0] and slow_tokens == [1, 0]
+    # `first` = 1: ties go to the second engine: slow 0->3, fast to 3, slow 3->6, fast to 6.
+    order.clear()
+    lockstep([fast, slow], [1, 2], None, first=1)
+    assert order == ["slow", "fast", "fast", "fast", "slow", "fast", "fast", "fast"]
 
 
 def test_lockstep_plain_engines_give_what_generate_gives(tiny_family):
