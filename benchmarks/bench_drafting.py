@@ -132,8 +132,10 @@ def lockstep(engines: Sequence, prompt: list[int], params, first: int = 0) -> li
     stepping the engine whose steps have taken least time so far (ties: from `first` on);
     per engine, its tokens and the seconds its own steps took.
 
-    Whoever steps first meets the caches as the last run left them: plain beside plain,
-    always the same one first read 0.98x in a full `outrider bench`. Callers alternate it.
+    Whoever steps first meets the caches as the last run left them; callers alternate it.
+    Plain beside plain still reads ~0.98x over a full `outrider bench` (with the method always
+    first and alternating alike; not understood: perhaps the run's engine, last used ~28 runs
+    before where the partner ran the run before): the report shows that control.
 
     Measured on this 2-core machine: a decode step's time varies ~16% (its lag-1
     autocorrelation 0.72, gone by ~100 steps), so two requests run one after the other see
