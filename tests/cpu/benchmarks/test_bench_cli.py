@@ -69,7 +69,9 @@ def test_bench_quick_json(tiny_family, quick_heads, tmp_path, capsys):
     for row in report["results"]:
         if row["method"] == "plain":
             assert row["speedup_vs_plain"] == 1.0 and row["target_forwards_per_token"] == 1.0
-            assert row["speedup_paired"] > 0  # plain beside its plain partner: the control
+            # Plain beside its plain partner (the control): measured, so not 1 by construction
+            # as a ratio of plain's runs to themselves would be.
+            assert row["speedup_paired"] > 0 and row["speedup_paired"] != 1.0
         if row["temperature"] == 0:  # lossless: speculative greedy output is plain greedy output
             assert row["greedy_identical"] == 1.0, row["method"]
         else:
