@@ -133,9 +133,9 @@ def lockstep(engines: Sequence, prompt: list[int], params, first: int = 0) -> li
     per engine, its tokens and the seconds its own steps took.
 
     Whoever steps first meets the caches as the last run left them; callers alternate it.
-    Plain beside plain still reads ~0.98x over a full `outrider bench` (with the method always
-    first and alternating alike; not understood: perhaps the run's engine, last used ~28 runs
-    before where the partner ran the run before): the report shows that control.
+    Both engines must meet the prompt alike: with prefix caching on, a partner that ran this
+    prompt the run before skips most of its prefill and plain beside plain read ~0.98x
+    (`bench_sweep.engine_runs` turns it off); the report shows that control.
 
     Measured on this 2-core machine: a decode step's time varies ~16% (its lag-1
     autocorrelation 0.72, gone by ~100 steps), so two requests run one after the other see

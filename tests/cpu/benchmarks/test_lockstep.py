@@ -107,3 +107,20 @@ def test_speedup_is_plain_time_beside_the_runs_over_their_time():
     # Without a partner: the ratio of medians, as before.
     unpaired = Cell([run(100.0, 50.0, lockstep=False), run(25.0, 50.0, lockstep=False)])
     assert abs(row_for("x", "mid", 0.0, unpaired, plain)["speedup_vs_plain"] - 62.5 / 500.0) < 1e-12
+
+
+def test_bench_engines_meet_each_prompt_alike(tiny_family):
+    """The partner runs every prompt once per method, back to back: with prefix caching it
+    would skip the prefill that the method's engine pays (plain beside plain read ~0.98x)."""
+    from outrider.benchmarks.bench_sweep import engine_runs
+    from outrider.target_worker.runner import ModelRunner
+    from outrider.target_worker.sequence import RequestParams
+
+    runner = ModelRunner.from_pretrained(tiny_family.target_dir, max_model_len=96, kv_cache_rows=160)
+    runs = engine_runs(runner, {"plain": None, "again": None}, runner.model.vocab_size, [])
+    prompt = list(range(3, 67))  # four full blocks of 16
+    params = RequestParams(temperature=0.0, seed=0, max_tokens=8, ignore_eos=True)
+    (first, first_tokens), (second, second_tokens) = (runs[name](prompt, params) for name in runs)
+    assert first.lockstep and second.lockstep and first_tokens == second_tokens
+    for engine in (runs["plain"].partner, runs["plain"].engine, runs["again"].engine):
+        assert engine.blocks.stats.hits == 0
