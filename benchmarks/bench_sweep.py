@@ -34,6 +34,7 @@ from outrider.benchmarks.bench_drafting import (
     repeated_4gram_share,
     row_for,
 )
+from outrider.proto.gc_heap import freeze_gc_heap
 
 Generate = Callable[[list[int], object], tuple[Run, list[int]]]
 
@@ -320,6 +321,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     for run in runs.values():
         for params in warm:
             run(prompts_by_set[primary][0].token_ids, params)
+    freeze_gc_heap("bench")  # as the served replicas do once started
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     cells, identical = sweep(runs, prompts_by_set, temperatures, args.repeats, args.max_tokens, rng, log)

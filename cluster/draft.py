@@ -42,6 +42,7 @@ class DraftWorker:
         from outrider.draft_worker.proposer import build_proposer
         from outrider.draft_worker.server import DraftIdentity
         from outrider.draft_worker.server import serve as serve_grpc
+        from outrider.proto.gc_heap import freeze_gc_heap
         from outrider.target_worker.draft_client import tokenizer_fingerprint
 
         # The replica's GPU when Ray gave it one (draft pools on small GPUs), else the CPU.
@@ -61,6 +62,7 @@ class DraftWorker:
         threading.Thread(target=self._heartbeat, name="draft-registry", daemon=True).start()
         self._last = (time.monotonic(), 0.0, 0)  # (wall, drafting_s, batches) at the last report
         log.info("draft replica serving %s on %s", speculative_config["method"], self.address)
+        freeze_gc_heap("draft replica")  # start-up done: full collections skip all it made
 
     def _announcement(self) -> DraftAnnouncement:
         """Address and counters; the ingress's /metrics reads the counters from the registry too."""

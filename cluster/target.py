@@ -32,6 +32,7 @@ from outrider.cluster.engine_loop import EngineLoop
 from outrider.cluster.messages import GenerateRequest, ReplicaSnapshot, StreamChunk
 from outrider.cluster.served_model import ServedModel
 from outrider.proto import TreeBudget
+from outrider.proto.gc_heap import freeze_gc_heap
 from outrider.target_worker.draft_source import DraftSource
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class TargetWorker:
         )
         self.loop = EngineLoop(self.engine, engine_args.max_num_seqs, engine_args.max_queued_requests)
         self.replica = context.replica_id.unique_id
+        freeze_gc_heap("target replica")  # start-up done: full collections skip all it made
 
     def _build_runner(self):
         from outrider.target_worker.runner import ModelRunner

@@ -91,6 +91,7 @@ def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None
     from outrider.draft_worker.proposer import proposer_class
     from outrider.draft_worker.server import DraftIdentity, ServerTls, serve
     from outrider.draft_worker.speculation import SpecCacheConfig
+    from outrider.proto.gc_heap import freeze_gc_heap
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     proposer_class(args.method)  # an unknown method is refused before any folder is looked up or built
@@ -127,6 +128,7 @@ def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None
         speculation_cache=None if args.no_speculation_cache else SpecCacheConfig(args.speculation_outcomes),
     )
     print(f"draft server: {args.method} ({model_id}) on port {server.port}", flush=True)
+    freeze_gc_heap("draft server")  # start-up done: full collections skip all it made
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
