@@ -32,65 +32,85 @@ from outrider.draft_worker.proposer import Proposer, register_proposer, root_onl
 from outrider.proto import CandidateTree, DraftSampling, SequenceUpdate, TreeBudget
 
 
-class TrieNode:
-    __slots__ = ("children", "count")
-
-    def __init__(self) -> None:
-        self.count = 0  # occurrences of this node's substring
-        self.children: dict[int, TrieNode] = {}
-
-    def continuations(self, top_k: int) -> list[tuple[int, float]]:
-        """The `top_k` most frequent next tokens with their share of all continuations."""
-        total = sum(child.count for child in self.children.values())
-        ranked = sorted(self.children.items(), key=lambda item: (-item[1].count, item[0]))[:top_k]
-        return [(token, child.count / total) for token, child in ranked]
-
-
 class SuffixTrie:
-    """Counts of every substring of up to `max_depth` tokens of the streams added to it."""
+    """Counts of every substring of up to `max_depth` tokens of the streams added to it.
+
+    Nodes are ints (0 is the root): `children[node]` maps a token to the child's node and
+    `count[node]` counts the node's substring. A node object per substring would make the
+    tries most of what Python's full garbage collections walk (~24 nodes per cached token;
+    one full collection of a process holding them took ~110 ms); dicts of ints are not
+    tracked by the collector at all."""
 
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
-        self.root = TrieNode()
+        self.children: list[dict[int, int]] = [{}]
+        self.count: list[int] = [0]
+        self._free: list[int] = []  # nodes of removed substrings, reused first
 
-    def walk(self, tokens: Sequence[int]) -> TrieNode | None:
-        node = self.root
+    def _new_node(self) -> int:
+        if self._free:
+            return self._free.pop()
+        self.children.append({})
+        self.count.append(0)
+        return len(self.count) - 1
+
+    def walk(self, tokens: Sequence[int]) -> int | None:
+        node: int | None = 0
+        children = self.children
         for token in tokens:
-            node = node.children.get(token)
+            node = children[node].get(token)
             if node is None:
                 return None
         return node
 
-    def add(self, open_nodes: list[TrieNode], token: int) -> list[TrieNode]:
+    def continuations(self, node: int, top_k: int) -> list[tuple[int, float]]:
+        """The `top_k` most frequent next tokens after `node` with their share of all continuations."""
+        count = self.count
+        ranked = sorted(self.children[node].items(), key=lambda item: (-count[item[1]], item[0]))
+        total = sum(count[child] for _, child in ranked)
+        return [(token, count[child] / total) for token, child in ranked[:top_k]]
+
+    def add(self, open_nodes: list[int], token: int) -> list[int]:
         """Extend a stream by `token`: `open_nodes` are its suffixes shorter than max_depth,
         shortest first; returns them for the longer stream."""
+        children, count = self.children, self.count
         extended = []
-        for node in [self.root, *open_nodes[: self.max_depth - 1]]:
-            child = node.children.get(token)
+        for node in (0, *open_nodes[: self.max_depth - 1]):
+            child = children[node].get(token)
             if child is None:
-                child = node.children[token] = TrieNode()
-            child.count += 1
+                child = children[node][token] = self._new_node()
+            count[child] += 1
             extended.append(child)
         return extended
 
     def add_stream(self, tokens: Sequence[int]) -> None:
-        open_nodes: list[TrieNode] = []
+        open_nodes: list[int] = []
         for token in tokens:
             open_nodes = self.add(open_nodes, token)
 
     def remove_stream(self, tokens: Sequence[int]) -> None:
         """Undo `add_stream(tokens)`, pruning substrings no stream holds any more."""
+        children, count = self.children, self.count
         for start in range(len(tokens)):
-            node = self.root
+            node = 0
             for token in tokens[start : start + self.max_depth]:
-                child = node.children[token]
-                child.count -= 1
-                if child.count == 0:
-                    del node.children[token]
+                child = children[node][token]
+                count[child] -= 1
+                if count[child] == 0:  # and so is every longer substring below it
+                    del children[node][token]
+                    self._release(child)
                     break
                 node = child
 
-    def longest_match(self, context: Sequence[int]) -> tuple[int, TrieNode | None]:
+    def _release(self, node: int) -> None:
+        stack = [node]
+        while stack:
+            node = stack.pop()
+            stack.extend(self.children[node].values())
+            self.children[node], self.count[node] = {}, 0
+            self._free.append(node)
+
+    def longest_match(self, context: Sequence[int]) -> tuple[int, int | None]:
         """The longest suffix of `context` seen before with a continuation: (its length, node).
 
         If a suffix of length m has been followed by some token, so has every shorter suffix
@@ -100,7 +120,7 @@ class SuffixTrie:
         while low <= high:
             mid = (low + high) // 2
             node = self.walk(context[len(context) - mid :])
-            if node is not None and node.children:
+            if node is not None and self.children[node]:
                 best, low = (mid, node), mid + 1
             else:
                 high = mid - 1
@@ -131,7 +151,7 @@ class SuffixOptions:
 class SuffixState:
     tokens: list[int]
     trie: SuffixTrie
-    open_nodes: list[TrieNode]
+    open_nodes: list[int]
 
 
 @register_proposer("suffix")
@@ -172,7 +192,9 @@ class SuffixProposer(Proposer[SuffixState]):
                 if node is None:
                     continue
                 limit = math.ceil(self.options.suffix_decoding_max_spec_factor * match_length)
-                found = grow_tree(update, node, budget, limit, self.options.suffix_decoding_min_token_prob)
+                found = grow_tree(
+                    update, trie, node, budget, limit, self.options.suffix_decoding_min_token_prob
+                )
                 if found is not None and (best is None or found[0] > best[0]):
                     best = found
             trees.append(best[1] if best is not None else root_only_tree(update))
@@ -180,7 +202,7 @@ class SuffixProposer(Proposer[SuffixState]):
 
 
 def grow_tree(
-    update: SequenceUpdate, match: TrieNode, budget: TreeBudget, max_drafts: int, min_prob: float
+    update: SequenceUpdate, trie: SuffixTrie, match: int, budget: TreeBudget, max_drafts: int, min_prob: float
 ) -> tuple[float, CandidateTree] | None:
     """Best-first tree of continuations below `match`: (expected accepted tokens, tree).
 
@@ -194,16 +216,16 @@ def grow_tree(
     q_rows: dict[int, list[tuple[int, float]]] = {}
     # Heap of (-path probability, order pushed, token, parent node, trie node): the order
     # keeps ties stable, and a child is pushed only after its parent joined the tree.
-    frontier: list[tuple[float, int, int, int, TrieNode]] = []
+    frontier: list[tuple[float, int, int, int, int]] = []
     pushed = 0
 
     def push_children(node: int, path_prob: float) -> None:
         nonlocal pushed
-        if depths[node] == budget.max_depth or not trie_nodes[node].children:
+        if depths[node] == budget.max_depth or not trie.children[trie_nodes[node]]:
             return
-        q_rows[node] = trie_nodes[node].continuations(budget.top_k)
+        q_rows[node] = trie.continuations(trie_nodes[node], budget.top_k)
         for token, prob in q_rows[node]:
-            child = trie_nodes[node].children[token]
+            child = trie.children[trie_nodes[node]][token]
             heapq.heappush(frontier, (-path_prob * prob, pushed, token, node, child))
             pushed += 1
 

@@ -154,9 +154,13 @@ def test_trie_remove_undoes_add():
     reference = SuffixTrie(max_depth=4)
     reference.add_stream([2, 3, 4])
 
-    def dump(node, path=()):
-        return {path: node.count} | {
-            k: v for t, c in node.children.items() for k, v in dump(c, (*path, t)).items()
+    def dump(trie, node=0, path=()):
+        return {path: trie.count[node]} | {
+            k: v for t, c in trie.children[node].items() for k, v in dump(trie, c, (*path, t)).items()
         }
 
-    assert dump(trie.root) == dump(reference.root)
+    assert dump(trie) == dump(reference)
+    # Removed substrings' nodes are reused, not leaked.
+    size = len(trie.count)
+    trie.add_stream([1, 2, 3, 1, 2])
+    assert len(trie.count) == size
