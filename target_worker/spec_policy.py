@@ -96,6 +96,7 @@ class SpeculationPolicy:
         self.check = GoodputCheck(self.config, self.stats)  # measured goodput (`policy_goodput`)
         self._predicted: dict[int, float] = {}
         self._quiet = False  # the next round was announced `quiet`
+        self._calm_until = 0  # `quiet` holds before this round without deciding again
         width = (ceiling.max_nodes - 1) / depth if ceiling.max_depth else 0.0
         self._nodes = [1 + min(ceiling.max_nodes - 1, k * width) for k in range(depth + 1)]
         self._node_counts = [int(round(n)) for n in self._nodes]  # a depth's budget nodes
@@ -111,7 +112,7 @@ class SpeculationPolicy:
     ) -> list[TreeBudget]:
         """Next round's budget per sequence; `limits` are each one's own ceiling (rows, max_tokens);
         `greedy`, whether each decodes greedily (its batch-wide prior; None: all greedy)."""
-        self._quiet = False
+        self._quiet, self._calm_until = False, 0
         if not seq_ids:
             return []
         if greedy is not None:
@@ -244,12 +245,18 @@ class SpeculationPolicy:
         self._quiet = False
         if not (self.config.adaptive and num_seqs):
             return False
-        vetoed = self._vetoed()
-        calm = (
-            self._off(vetoed)
-            and self.rounds < self._next_probe
-            and self._solved_cap >= self.ceiling.max_depth
-        )
+        if self.rounds < self._calm_until:  # nothing it depends on moves before then
+            calm, vetoed = True, self.check.vetoed(self.rounds)  # (may start a veto: counted alike)
+        else:
+            vetoed = self._vetoed()
+            calm = (
+                self._off(vetoed)
+                and self.rounds < self._next_probe
+                and self._solved_cap >= self.ceiling.max_depth
+            )
+            if calm:  # off until the next probe or solve, or, if only vetoed, the veto's end
+                until = min(self._next_probe, self._next_solve)
+                self._calm_until = until if self._all_off() else min(until, self.check.veto_until)
         self._quiet = calm
         if calm:
             self.check.planned, self.check.off_probe = False, False
@@ -281,11 +288,11 @@ class SpeculationPolicy:
         round_s: float,
     ) -> None:
         """`observe`, from the engine's round: what each sequence's draft earned, what it cost."""
-        output = result.num_output_tokens.tolist()[: len(trees)]  # (after them: prompts that finished)
-        if self._quiet:  # nobody was asked to draft (`quiet`)
-            tokens = len(trees) + plan.num_prefill_tokens
-            self.observe_quiet(len(trees), sum(output), tokens, round_s, plan.num_prefill_tokens)
+        if self._quiet:  # nobody was asked to draft (`quiet`): a root-only tree commits one token
+            n, prefill = len(trees), plan.num_prefill_tokens
+            self.observe_quiet(n, n, n + prefill, round_s, prefill)
             return
+        output = result.num_output_tokens.tolist()[: len(trees)]  # (after them: prompts that finished)
         budgets = [s.budget.max_depth if s.budget is not None else 0 for s in verified]
         nodes = [tree.parents.shape[0] - 1 for tree in trees]  # below the root
         outcomes = [
