@@ -89,6 +89,9 @@ class SpeculationPolicy:
         # the drafter up included: probes spaced wider catch up on more, so a drafter whose
         # catching up alone costs more than `probe_share` is probed at the widest spacing).
         self._probing, self._probe_extra = False, None  # None: not measured yet
+        # The depth a probe drafts, per sampling class: the best for a sequence known only by
+        # the batch-wide counts (`_probe_depths`), set at each full solve.
+        self._probe_at = {True: 1, False: 1}
         self._gain_rows: dict[int, tuple[int, Row]] = {}  # seq_id -> (round, its `_gains` rows)
         self._gains_version = 0  # bumped whenever a row of `_gain_rows` is recomputed
         self._choice: tuple[tuple, list[int]] = ((), [])  # (what it was chosen from, the depths)
@@ -128,7 +131,7 @@ class SpeculationPolicy:
         elif self._off(vetoed):  # speculation does not pay: no solve
             self.check.planned, self.check.off_probe = False, False
             self.stats.vetoed_rounds += vetoed
-            depths = self._probed(seq_ids, [0] * len(seq_ids), ceiling)
+            depths = self._probed(seq_ids, [0] * len(seq_ids), ceiling, vetoed)
             predicted = [
                 1.0 if k == 0 else self._gain([s])[0][0][k] for s, k in zip(seq_ids, depths, strict=True)
             ]
@@ -140,7 +143,7 @@ class SpeculationPolicy:
                 choice = self._depths(rows, ceiling, prefill_tokens)
                 key = (*key[:4], self._solved)  # a solve just now moved it
                 self._choice = (key, choice)
-            depths = self._probed(seq_ids, self._checked(list(self._choice[1]), vetoed), ceiling)
+            depths = self._probed(seq_ids, self._checked(list(self._choice[1]), vetoed), ceiling, vetoed)
             predicted = [row[0][k] for row, k in zip(rows, depths, strict=True)]
         out = []
         for seq_id, limit, k, tokens in zip(seq_ids, limits, depths, predicted, strict=True):
@@ -394,6 +397,9 @@ class SpeculationPolicy:
         pick = max(ms, key=lambda m: options[m][0])  # the first of equals
         self._lam, choice = options[pick]
         if due:
+            self._probe_at = {
+                kind: self._probe_depth(kind, fixed_s, b, ask, overhead) for kind in (True, False)
+            }
             # Solves that keep their answer (the deepest budget; speculation off included) are
             # spaced ever wider: between them each sequence still re-picks its depth as its
             # estimates move, and a kept probe asks for the next solve at once. A new answer
@@ -409,6 +415,27 @@ class SpeculationPolicy:
             self._solved_cap = max(ceiling, default=0)
         return choice
 
+    def _probe_depth(self, greedy: bool, base_s: float, b: float, ask: float, overhead: float) -> int:
+        """The depth (>= 1) with the most committed tokens a second for a sequence known only
+        by its class's batch-wide counts, drafting alone. A probe drafts that deep: on this
+        CPU a tree with drafts costs ~3 ms beyond a ~2.7 ms round whatever its depth (+0.1 ms
+        a token), so a depth-1 probe of a sequence that had started to loop (ngram at T = 0)
+        kept 1 token where 4 were there, could not pay for its round, and the ramp back to
+        drafting waited on solves with nothing learnt past depth 1. Where the batch-wide
+        counts say drafting seldom pays (T = 1) this is depth 1, as before."""
+        (row,) = expected_gains(
+            [None],
+            self.glob[greedy],
+            self.config.prior_strength,
+            self.deepest_seen,
+            self._tree_nodes / self._tree_depths,
+            self._nodes,
+        )
+        c, e, g = self.draft_cost.coefficients()
+        seconds = sequence_seconds([row], b, ask, overhead, g)[0]
+        rates = [row[0][k] / max(base_s + seconds[k] + c + e * k, 1e-9) for k in range(1, len(seconds))]
+        return 1 + max(range(len(rates)), key=rates.__getitem__) if rates else 1
+
     def _vetoed(self) -> bool:
         return self.config.adaptive and not self._warming_up() and self.check.vetoed(self.rounds)
 
@@ -418,9 +445,9 @@ class SpeculationPolicy:
             return depths
         return self.check.checked(depths, vetoed, self.rounds)
 
-    def _probed(self, seq_ids: Seq[int], depths: list[int], ceiling: list[int]) -> list[int]:
-        """On probe rounds every sequence not speculating drafts depth 1, so its estimates stay
-        current. Probe rounds are shared (the drafter's fixed cost per call is paid once for
+    def _probed(self, seq_ids: Seq[int], depths: list[int], ceiling: list[int], vetoed: bool) -> list[int]:
+        """On probe rounds every sequence not speculating drafts (`_probe_depth` deep, within
+        its ceiling), so its estimates stay current. Probe rounds are shared (the drafter's fixed cost per call is paid once for
         all of them). While speculation is off everywhere they are spaced by what they cost:
         as often as keeps them within `probe_share` of the time (every `min_probe_every`
         rounds for a lookup that costs next to nothing, hundreds apart for a draft model that
@@ -432,7 +459,9 @@ class SpeculationPolicy:
             self._probe_interval, self._chain = self.config.probe_every, 0
         if self.rounds < self._next_probe or self.check.off_probe:
             return depths
-        probed = [1 if k == 0 and cap > 0 else k for k, cap in zip(depths, ceiling, strict=True)]
+        # (Depth 1 while the measured check vetoes drafting: it distrusts the model's gains.)
+        at = [1 if vetoed else self._probe_at[self._greedy.get(s, True)] for s in seq_ids]
+        probed = [min(d, cap) if k == 0 else k for k, cap, d in zip(depths, ceiling, at, strict=True)]
         if probed != depths:  # a probe round is evidence of neither kind
             self.check.planned = None
         gap, config = self._probe_interval, self.config
