@@ -446,3 +446,48 @@ def test_a_drafter_wait_that_stops_paying_is_weighed_between_solves():
         wait_s = draft[0] + draft[1] * depth if depth else 0.0
         policy.observe([(0, depth, depth, kept, kept + 1)], 1 + depth, round_s, depth, wait_s)
     assert policy.rounds < next_solve - 20, depths
+
+
+def test_a_probe_drafts_as_deep_as_the_batch_wide_counts_say_pays():
+    """A tree with drafts costs 3 ms beyond a 2.7 ms round whatever its depth (this CPU's
+    verify): a depth-1 probe of a sequence that has started to loop keeps 1 token for that
+    price and teaches nothing past depth 1. Where the class's batch-wide counts say deep
+    drafts are kept (sequence 1 loops), a sequence turned off (2, prose) is probed that deep,
+    and is back at full depth the round after its text turns predictable."""
+    policy = SpeculationPolicy(CEILING, PolicyConfig(probe_share=1.0))
+    rng, accept = random.Random(0), {1: 0.95, 2: 0.0}
+    depths = [CEILING.max_depth] * 2
+
+    def step() -> None:
+        outcomes = []
+        for seq_id, k in zip(accept, depths, strict=True):
+            kept = 0
+            while kept < k and rng.random() < accept[seq_id]:
+                kept += 1
+            outcomes.append((seq_id, k, k, kept, kept + 1))
+        round_s = 2.7e-3 + 1e-4 * (2 + sum(depths)) + 3e-3 * any(depths)
+        policy.observe(outcomes, 2 + sum(depths), round_s, max(depths), 1e-4 * any(depths))
+        depths[:] = [b.max_depth for b in policy.budgets(list(accept), [CEILING] * 2, 0)]
+
+    seen = []
+    for _ in range(200):
+        step()
+        seen += [depths[1]] if policy.rounds > 100 else []
+    back = [k for was, k in zip(seen, seen[1:], strict=False) if not was and k]  # off, then asked
+    assert seen.count(0) > 0.2 * len(seen) and back and min(back) >= 4  # (probes: depth 1, before)
+    while not depths[1]:  # until the next probe
+        step()
+    accept[2] = 1.0
+    step()
+    assert depths[1] >= 6
+
+
+def test_a_probe_is_depth_1_where_the_batch_wide_counts_say_drafts_are_lost():
+    policy = SpeculationPolicy(CEILING, PolicyConfig(probe_share=1.0))
+    simulate(policy, {1: 0.02}, rounds=120, verify=(2.7e-3, 1e-4, 3e-3), draft=(1e-4, 1e-5))
+    probes = []
+    for _ in range(200):
+        k = policy.budgets([1], [CEILING], 0)[0].max_depth
+        probes += [k] if k else []
+        policy.observe([(1, k, k, 0, 1)], 1 + k, 2.7e-3 + 3e-3 * (k > 0), 0, 0.0)
+    assert probes and set(probes) == {1}
