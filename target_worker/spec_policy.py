@@ -21,8 +21,9 @@ batch's expected committed tokens per second is highest:
   time the engine waits in `collect` when the deepest budget is m and the drafter was sent U
   tokens to catch up on (a sequence drafting every round sends what it committed), 0 when
   no sequence drafts;
-- Dinkelbach's iteration finds the maximum; sequences not speculating are probed with
-  depth 1 on shared rounds spaced by what a probe costs (`_probed`); the model is checked
+- Dinkelbach's iteration finds the maximum; sequences not speculating are probed on shared
+  rounds spaced by what a probe costs, as deep as pays for a sequence known only by the
+  batch-wide counts (`_probed`, `_probe_depth`); the model is checked
   against measured goodput, and vetoed for a while where drafting rounds measure less than
   rounds without (`_vetoed`). The full account, with the measurements behind each rule:
   docs/algorithms.md section 2c.
