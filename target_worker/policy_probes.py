@@ -1,0 +1,69 @@
+"""Probing the sequences the speculation policy turned off (`spec_policy.SpeculationPolicy`):
+which rounds are probe rounds, and how deep a probe drafts (docs/algorithms.md section 2c).
+
+A mixin of `SpeculationPolicy`, whose state it reads and sets: the probe schedule
+(`_next_probe`, `_probe_interval`, `_chain`, `_probing`, `_probe_extra`), the batch-wide
+counts and the cost fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from outrider.target_worker.policy_estimates import expected_gains, sequence_seconds
+
+
+class Probing:
+    def _probed(self, seq_ids: Seq[int], depths: list[int], ceiling: list[int], vetoed: bool) -> list[int]:
+        """On probe rounds every sequence not speculating drafts (`_probe_depth` deep, within
+        its ceiling), so its estimates stay current. Probe rounds are shared (the drafter's
+        fixed cost per call is paid once for all of them). While speculation is off
+        everywhere they are spaced by what they cost:
+        as often as keeps them within `probe_share` of the time (every `min_probe_every`
+        rounds for a lookup that costs next to nothing, hundreds apart for a draft model that
+        must first catch up on a long sequence); until a probe has measured that, from
+        `probe_every` rounds, doubling up to `max_probe_every`."""
+        if not self.config.adaptive or self._warming_up():
+            return depths
+        if any(depths):
+            self._probe_interval, self._chain = self.config.probe_every, 0
+        if self.rounds < self._next_probe or self.check.off_probe:
+            return depths
+        # (Depth 1 while the measured check vetoes drafting: it distrusts the model's gains.)
+        at = [1 if vetoed else self._probe_at[self._greedy.get(s, True)] for s in seq_ids]
+        probed = [min(d, cap) if k == 0 else k for k, cap, d in zip(depths, ceiling, at, strict=True)]
+        if probed != depths:  # a probe round is evidence of neither kind
+            self.check.planned = None
+        gap, config = self._probe_interval, self.config
+        if not any(depths):
+            self._probe_interval = min(2 * self._probe_interval, config.max_probe_every)
+            # The first probe of a chain measures what probing costs (later ones find the
+            # drafter caught up).
+            self._probing = self._chain == 0
+            off = self.check.off
+            if self._probe_extra is not None and off[2] > 0 and off[1] > 0:
+                share = self._probe_extra / (config.probe_share * off[1] / off[2])
+                gap = min(max(int(share), config.min_probe_every), 4 * config.max_probe_every)
+        self._next_probe = self.rounds + gap
+        return probed
+
+    def _probe_depth(self, greedy: bool, base_s: float, b: float, ask: float, overhead: float) -> int:
+        """The depth (>= 1) with the most committed tokens a second for a sequence known only
+        by its class's batch-wide counts, drafting alone. A probe drafts that deep: on this
+        CPU a tree with drafts costs ~3 ms beyond a ~2.7 ms round whatever its depth (+0.1 ms
+        a token), so a depth-1 probe of a sequence that had started to loop (ngram at T = 0)
+        kept 1 token where 4 were there, could not pay for its round, and the ramp back to
+        drafting waited on solves with nothing learnt past depth 1. Where the batch-wide
+        counts say drafting seldom pays (T = 1) this is depth 1, as before."""
+        (row,) = expected_gains(
+            [None],
+            self.glob[greedy],
+            self.config.prior_strength,
+            self.deepest_seen,
+            self._tree_nodes / self._tree_depths,
+            self._nodes,
+        )
+        c, e, g = self.draft_cost.coefficients()
+        seconds = sequence_seconds([row], b, ask, overhead, g)[0]
+        rates = [row[0][k] / max(base_s + seconds[k] + c + e * k, 1e-9) for k in range(1, len(seconds))]
+        return 1 + max(range(len(rates)), key=rates.__getitem__) if rates else 1
