@@ -18,11 +18,11 @@ class Probing:
         """On probe rounds every sequence not speculating drafts (`_probe_depth` deep, within
         its ceiling), so its estimates stay current. Probe rounds are shared (the drafter's
         fixed cost per call is paid once for all of them). While speculation is off
-        everywhere they are spaced by what they cost:
-        as often as keeps them within `probe_share` of the time (every `min_probe_every`
-        rounds for a lookup that costs next to nothing, hundreds apart for a draft model that
-        must first catch up on a long sequence); until a probe has measured that, from
-        `probe_every` rounds, doubling up to `max_probe_every`."""
+        everywhere they are spaced by what they cost: as often as keeps them within
+        `probe_share` of the time (every `min_probe_every` rounds for a lookup that costs
+        next to nothing, hundreds apart for a draft model that must first catch up on a long
+        sequence); until a probe has measured that, from `probe_every` rounds, doubling up to
+        `max_probe_every`."""
         if not self.config.adaptive or self._warming_up():
             return depths
         if any(depths):
