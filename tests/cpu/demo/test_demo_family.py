@@ -66,9 +66,11 @@ def test_cli_second_build_returns_from_cache_under_two_seconds(tiny_family, outr
 
     command = [sys.executable, "-m", "outrider.cluster.cli", "demo", "build", "--size", "tiny", "--quiet"]
     # The first call builds whatever draft heads the session has not built yet (untimed).
-    subprocess.run(command, capture_output=True, text=True, check=True)
+    first = subprocess.run(command, capture_output=True, text=True)
+    assert first.returncode == 0, first.stdout + first.stderr
     start = time.monotonic()
-    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
     assert time.monotonic() - start < 2.0, "a cache hit must not import torch or train anything"
     assert str(tiny_family.root) in result.stdout
     assert "building" not in result.stdout + result.stderr
