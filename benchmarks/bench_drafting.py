@@ -130,7 +130,8 @@ def tau(counters: SpecDecodeCounters) -> float | None:
 def lockstep(engines: Sequence, prompt: list[int], params, first: int = 0) -> list[tuple[list[int], float]]:
     """One request on each engine (each with its own KV cache), a step at a time, always
     stepping the engine whose steps have taken least time so far (ties: from `first` on);
-    per engine, its tokens and the seconds its own steps took.
+    per engine, its tokens and the seconds its own steps took. `params`: one RequestParams for
+    all, or a list, one per engine.
 
     Whoever steps first meets the caches as the last run left them; callers alternate it.
     Both engines must meet the prompt alike: with prefix caching on, a partner that ran this
@@ -141,7 +142,8 @@ def lockstep(engines: Sequence, prompt: list[int], params, first: int = 0) -> li
     autocorrelation 0.72, gone by ~100 steps), so two requests run one after the other see
     different machines, ~10% apart per 128-token pair. Interleaved step by step they see the
     same one: plain against plain, per-pair ratios within ~1.5%."""
-    ids = [engine.add_request(prompt, params) for engine in engines]
+    each = params if isinstance(params, list | tuple) else [params] * len(engines)
+    ids = [engine.add_request(prompt, p) for engine, p in zip(engines, each, strict=True)]
     tokens: list[list[int]] = [[] for _ in engines]
     spent = [0.0] * len(engines)
     live = list(range(first, len(engines))) + list(range(first))
@@ -154,6 +156,37 @@ def lockstep(engines: Sequence, prompt: list[int], params, first: int = 0) -> li
         if not engines[i].has_unfinished():
             live.remove(i)
     return list(zip(tokens, spent, strict=True))
+
+
+def sampling_cost(
+    engine, partner, prompts: list[list[int]], temperature: float, repeats: int, max_tokens: int
+) -> dict:
+    """Plain decoding at `temperature` beside plain decoding at T = 0, in `lockstep` (two
+    plain engines, their own KV caches): what sampling costs, measured on the same moments of
+    the machine, not as medians of runs taken minutes apart. Seeds as the sweep's."""
+    from dataclasses import replace
+
+    from outrider.target_worker.sequence import RequestParams
+
+    ratios, totals = [], [[0, 0.0], [0, 0.0]]  # [tokens, seconds]: sampled, greedy
+    for repeat in range(repeats):
+        for i, prompt in enumerate(prompts):
+            sampled = RequestParams(
+                max_tokens=max_tokens, temperature=temperature, seed=1000 * repeat + i, ignore_eos=True
+            )
+            pair = lockstep([engine, partner], prompt, [sampled, replace(sampled, temperature=0.0)], i % 2)
+            for total, (tokens, seconds) in zip(totals, pair, strict=True):
+                total[0] += len(tokens)
+                total[1] += seconds
+            (sampled_tokens, sampled_s), (greedy_tokens, greedy_s) = pair
+            ratios.append((len(sampled_tokens) / sampled_s) / (len(greedy_tokens) / greedy_s))
+    (n_sampled, s_sampled), (n_greedy, s_greedy) = totals
+    return {
+        "temperature": temperature,
+        "speedup_vs_greedy": (n_sampled / s_sampled) / (n_greedy / s_greedy),
+        "speedup_paired": statistics.median(ratios),
+        "runs": len(ratios),
+    }
 
 
 def generate_one(

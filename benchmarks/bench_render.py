@@ -101,6 +101,12 @@ def markdown(report: dict, plots: list[str]) -> str:
             )
             + "."
         )
+    for cost in report.get("sampling_cost", []):
+        out.append(
+            f"- Plain decoding at T = {cost['temperature']:g} (`{cost['prompt_set']}`) runs at "
+            f"**{cost['speedup_vs_greedy']:.3f}x** plain decoding at T = 0, each run beside a T = 0 "
+            f"partner (median of per-run ratios {cost['speedup_paired']:.3f}, {cost['runs']} runs)."
+        )
     out += [
         "",
         f"Batch 1, {meta['prompts_per_set']} held-out prompts per set x {meta['repeats']} repeats, "

@@ -132,6 +132,19 @@ SCHEMA = {
             "type": "array",
             "items": {**_RESULT, "required": [*_RESULT["required"], "tree_nodes"]},
         },
+        "sampling_cost": {  # plain at T > 0 beside plain at T = 0 (`bench_drafting.sampling_cost`)
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["prompt_set", "temperature", "speedup_vs_greedy", "speedup_paired", "runs"],
+                "properties": {
+                    "temperature": {"type": "number", "exclusiveMinimum": 0},
+                    "speedup_vs_greedy": {"type": "number", "exclusiveMinimum": 0},
+                    "speedup_paired": {"type": "number", "exclusiveMinimum": 0},
+                    "runs": {"type": "integer", "minimum": 1},
+                },
+            },
+        },
         "serving": {
             "type": "array",
             "items": {

@@ -33,6 +33,7 @@ from outrider.benchmarks.bench_drafting import (
     generate_one,
     repeated_4gram_share,
     row_for,
+    sampling_cost,
 )
 from outrider.proto.gc_heap import freeze_gc_heap
 
@@ -326,6 +327,16 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     t0 = time.perf_counter()
     cells, identical = sweep(runs, prompts_by_set, temperatures, args.repeats, args.max_tokens, rng, log)
     phases["methods_s"] = time.perf_counter() - t0
+    sampling = []
+    if "plain" in names and 0.0 in temperatures:  # plain at T > 0 beside plain at T = 0
+        plain_run = runs["plain"]
+        ids = [p.token_ids for p in prompts_by_set[primary]]
+        sampling = [
+            {"prompt_set": primary}
+            | sampling_cost(plain_run.engine, plain_run.partner, ids, t, args.repeats, args.max_tokens)
+            for t in temperatures
+            if t > 0
+        ]
     all_rows = rows(cells, identical, list(runs))
     results = [r for r in all_rows if r["method"] in names]
     peer_rows = [{"name": r.pop("method"), **r} for r in all_rows if r["method"] not in names]
@@ -411,4 +422,5 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
         "skipped": skipped,
         "tree_sweep": tree_rows,
         "serving": serving,
+        "sampling_cost": sampling,
     }

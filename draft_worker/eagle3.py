@@ -221,7 +221,7 @@ class Eagle3Proposer(Proposer[EagleState]):
         out = self.head_forward(batch, hidden)
         for s in states:
             s.cached = len(s.tokens)
-        return out[batch.logits_rows]
+        return out if batch.logits_rows is None else out[batch.logits_rows]
 
     # ---- drafting ---------------------------------------------------------------------------
 

@@ -138,7 +138,10 @@ def build_forward_batch(
         block_tables=tables.to(device) if tables is not None else None,
         block_size=chunks[0].block_size if paged else 0,
         attn_masks=tuple(masks),
-        logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        # Every row, in order (a decode or verify round): None, so the model skips a gather.
+        logits_rows=None
+        if len(logits_rows) == cu[-1] and logits_rows == list(range(cu[-1]))
+        else torch.tensor(logits_rows, dtype=torch.int64, device=device),
         capture=capture or HiddenCapture(),
     )
 

@@ -11,6 +11,10 @@ f_i pairs with t_(i+1)); position 0 has none and gets a zero row.
 
 The engine captures one set per round for every sequence in the forward; each sequence keeps
 its rows in `Sequence.unsent_features` until its next update carries them to the drafter.
+A round's work is kept to what a sequence held back by the policy needs (one such round per
+token it decodes): rows stay in the model's dtype, and a sequence's rows are a view of the
+round's tensor when they are most of it (a batch-1 decode: no copy at all); the concatenation
+and the cast to the drafter's dtype happen once, when an update is sent (`features_to_send`).
 """
 
 from __future__ import annotations
@@ -36,32 +40,83 @@ def capture_for(features: FeatureSpec, num_layers: int) -> HiddenCapture | None:
     return HiddenCapture(layer_inputs=inputs, final=num_layers in features.layer_ids)
 
 
-def gather_features(out: ForwardOutput, features: FeatureSpec, num_layers: int) -> torch.Tensor:
-    """[T, len(layer_ids) * H] raw drafter features of every token in the forward.
+class RoundFeatures:
+    """A round's captured layers, each [T, H] in the model's dtype; joined into one
+    [T, len(layers) * H] tensor only when some sequence needs a copy of its rows."""
+
+    __slots__ = ("layers", "_joined")
+
+    def __init__(self, layers: list[torch.Tensor]):
+        self.layers, self._joined = layers, None
+
+    def joined(self) -> torch.Tensor:
+        if self._joined is None:
+            self._joined = self.layers[0] if len(self.layers) == 1 else torch.cat(self.layers, dim=-1)
+        return self._joined
+
+
+def gather_features(out: ForwardOutput, features: FeatureSpec, num_layers: int) -> RoundFeatures:
+    """The raw drafter features of every token in the forward (no copy; joined and cast when a
+    sequence's rows are sent: `features_to_send`).
 
     Always the raw concatenation: with a `projected` spec the draft source applies the
     drafter's fc itself (`draft_source.project_features`) before the features leave.
     """
-    layers = [out.final_hidden if i == num_layers else out.layer_inputs[i] for i in features.layer_ids]
-    return torch.cat(layers, dim=-1).to(getattr(torch, features.dtype))
+    return RoundFeatures(
+        [out.final_hidden if i == num_layers else out.layer_inputs[i] for i in features.layer_ids]
+    )
 
 
 def verified_rows(
     chunk_start: int, chunk_end: int, tree_size: int, accepted: list[int], num_output: int
-) -> list[int]:
+) -> slice | list[int]:
     """Forward rows that predicted each new token of a verified sequence.
 
     Prompt chunk rows before the root, the root, then the accepted nodes (all but the last
     new token's predecessor). A tree (or chain) is the chunk's last rows: a prompt chunk
-    ends in its root.
+    ends in its root. A chain's accepted nodes 1, 2, .. follow the root: one slice.
     """
     root = chunk_end - tree_size
-    path = [root + node for node in accepted[: num_output - 1]]
-    return [*range(chunk_start, root + 1), *path]
+    path = accepted[: num_output - 1]
+    if all(node == i for i, node in enumerate(path, start=1)):
+        return slice(chunk_start, root + 1 + len(path))
+    return [*range(chunk_start, root + 1), *(root + node for node in path)]
 
 
-def keep_features(seq: Sequence, rows: torch.Tensor) -> None:
-    """Holds `rows` for the sequence's next update."""
+# Held rows entries a sequence keeps before joining them (a cap on the list, and on the work
+# of its next send; the memory views keep alive is bounded by `keep_features`' half rule).
+MAX_HELD_TENSORS = 64
+
+
+def keep_features(seq: Sequence, features: RoundFeatures, rows: slice | list[int]) -> None:
+    """Holds the round's `rows` of `features` for the sequence's next update.
+
+    Views of each layer when the rows are at least half the round's (a batch-1 decode: no
+    copy, no join), else a copy of the joined rows, so a held sequence does not keep a big
+    round's tensors alive (what views hold is at most twice the sequence's own rows). Past
+    MAX_HELD_TENSORS the held rows are joined into one tensor (a copy).
+    """
+    layers = features.layers
+    if rows.__class__ is not slice:
+        kept = features.joined()[rows]  # a list index copies
+    elif 2 * (rows.stop - rows.start) >= layers[0].shape[0]:
+        kept = layers[0][rows] if len(layers) == 1 else tuple(layer[rows] for layer in layers)
+    else:
+        kept = features.joined()[rows].clone()
+    held = seq.unsent_features
     if seq.num_cached == 0:  # the first token has no predecessor: a zero row
-        seq.unsent_features.append(rows.new_zeros(1, rows.shape[1]))
-    seq.unsent_features.append(rows)
+        held.append(layers[0].new_zeros(1, sum(layer.shape[1] for layer in layers)))
+    held.append(kept)
+    if len(held) > MAX_HELD_TENSORS:
+        seq.unsent_features = [torch.cat([_joined(rows) for rows in held])]
+
+
+def _joined(rows: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return torch.cat(rows, dim=-1) if isinstance(rows, tuple) else rows
+
+
+def features_to_send(seq: Sequence, features: FeatureSpec) -> torch.Tensor:
+    """The rows a sequence holds, as one [n, width] tensor in the drafter's dtype (a copy)."""
+    held = [_joined(rows) for rows in seq.unsent_features]
+    joined = torch.cat(held) if len(held) > 1 else held[0]
+    return joined.to(getattr(torch, features.dtype), copy=True)

@@ -60,12 +60,17 @@ from outrider.proto import (
 from outrider.target_worker.block_manager import BlockManager
 from outrider.target_worker.draft_source import DraftSource
 from outrider.target_worker.draft_trust import PROCESS_SEED_KEY, DraftTrust, derive_seed
-from outrider.target_worker.drafter_features import capture_for, gather_features, keep_features
+from outrider.target_worker.drafter_features import capture_for, features_to_send, gather_features
 from outrider.target_worker.kv_cache import CacheFullError
 from outrider.target_worker.kv_scheduler import KVScheduler
 from outrider.target_worker.lanes import LaneTuner, lane_to_verify
 from outrider.target_worker.logits_processors import apply_logits_processors
-from outrider.target_worker.round_outputs import append_outputs, record_prompt_logprobs, stop_ids_for
+from outrider.target_worker.round_outputs import (
+    append_outputs,
+    fill_prompts,
+    record_prompt_logprobs,
+    stop_ids_for,
+)
 from outrider.target_worker.round_plan import RoundPlan, checked_trees, plan_round
 from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import RequestOutput, RequestParams, Sequence
@@ -308,7 +313,7 @@ class Engine:
             if self.policy is not None:
                 round_s = time.perf_counter() - collected + self._submit_s
                 self.policy.observe_round(ready, trees, res, plan, collected - started, round_s)
-        self._fill_prompts(plan, features)
+        fill_prompts(plan, features)
         self.kv.settle(plan.verified, plan.filled)
         # 5. Deltas (under the policy's budgets) for the next round's trees, and `finished`.
         finished = [s for s in self.running if s.finished]
@@ -388,22 +393,27 @@ class Engine:
             return
         going = [s for s in verified if s.decoding and not s.finished]
         if self.policy.quiet(len(going)):  # speculation off, nothing due: no budgets to give
-            budgets = [NO_DRAFT] * len(going)
-        else:
-            limits = [s.tree_budget(self.tree_budget) for s in going]
-            greedy = [s.params.temperature == 0 for s in going]
-            budgets = self.policy.budgets(
-                [s.seq_id for s in going], limits, self._next_prefill_tokens(), greedy
-            )
+            for seq in going:
+                seq.budget, seq.asked = NO_DRAFT, False
+            self.policy.sent(0)
+            self._retire(finished, [])
+            return
+        limits = [s.tree_budget(self.tree_budget) for s in going]
+        greedy = [s.params.temperature == 0 for s in going]
+        budgets = self.policy.budgets([s.seq_id for s in going], limits, self._next_prefill_tokens(), greedy)
         updates, sent = [], 0
         for seq, budget in zip(going, budgets, strict=True):
             seq.budget, seq.asked = budget, budget.max_depth > 0
             if seq.asked:
                 sent += len(seq.tokens) - seq.num_sent
                 seq.tree_round = self.round + 1
-                features = torch.cat(seq.unsent_features) if self.capture else None
+                features = features_to_send(seq, self.features) if self.capture else None
                 updates.append(self._delta(seq, budget, features, finished=False))
         self.policy.sent(sent)
+        self._retire(finished, updates)
+
+    def _retire(self, finished: list[Sequence], updates: list[SequenceUpdate]) -> None:
+        """Sends `updates` and tells the drafter (and the policy) the finished sequences."""
         for seq in finished:
             self.policy.forget(seq.seq_id)
         updates += [self._delta(s, _FINISHED_BUDGET, None, finished=True) for s in finished if s.num_sent]
@@ -432,14 +442,6 @@ class Engine:
         return update
 
     # ---- verification and commit ---------------------------------------------------------
-
-    def _fill_prompts(self, plan: RoundPlan, features: torch.Tensor | None) -> None:
-        """Prompt chunks that stopped short of the root: their tokens are now cached."""
-        cu = plan.forward.cu_seqlens
-        for i, seq in enumerate(plan.filled, start=len(plan.verified)):
-            if features is not None:
-                keep_features(seq, features[cu[i] : cu[i + 1]])
-            seq.num_cached += cu[i + 1] - cu[i]
 
     def _count(self, plan: RoundPlan) -> None:
         self.stats.num_rounds += 1

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from outrider.kernels import VerifyOutput
-from outrider.target_worker.drafter_features import keep_features, verified_rows
+from outrider.target_worker.drafter_features import RoundFeatures, keep_features, verified_rows
 from outrider.target_worker.round_plan import RoundPlan
 from outrider.target_worker.sequence import RequestOutput, TokenLogprob
 
@@ -26,7 +26,7 @@ def append_outputs(
     plan: RoundPlan,
     res: VerifyOutput,
     logits: torch.Tensor,  # [total_nodes, vocab] processed logits (apply_logits_processors)
-    features: torch.Tensor | None,
+    features: RoundFeatures | None,
     detokenize: Callable[[list[int]], str] | None,
 ) -> list[RequestOutput]:
     """Appends each verified sequence's output tokens (up to its stop) and returns its delta."""
@@ -41,7 +41,7 @@ def append_outputs(
     for b, seq in enumerate(plan.verified):
         if features is not None:  # the rows that predicted each new token
             rows = verified_rows(cu[b], cu[b + 1], tree_sizes[b], accepted[b], num_output[b])
-            keep_features(seq, features[rows])
+            keep_features(seq, features, rows)
         # The root and the accepted nodes are now cached; the last new token is the next root.
         seq.num_cached = len(seq.tokens) + num_output[b] - 1
         new = seq.append(output_ids[b][: num_output[b]], detokenize)
@@ -63,6 +63,15 @@ def append_outputs(
             )
         )
     return outputs
+
+
+def fill_prompts(plan: RoundPlan, features: RoundFeatures | None) -> None:
+    """Prompt chunks that stopped short of the root: their tokens are now cached."""
+    cu = plan.forward.cu_seqlens
+    for i, seq in enumerate(plan.filled, start=len(plan.verified)):
+        if features is not None:
+            keep_features(seq, features, slice(cu[i], cu[i + 1]))
+        seq.num_cached += cu[i + 1] - cu[i]
 
 
 def record_prompt_logprobs(plan: RoundPlan, logits: torch.Tensor) -> None:

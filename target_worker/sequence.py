@@ -165,7 +165,8 @@ class Sequence:
     max_slots: int = 0  # the most KV slots it may ever use (max_model_len or the whole cache)
     num_cached: int = 0  # tokens whose K/V is in the cache
     num_sent: int = 0  # tokens the drafter has been given
-    unsent_features: list[torch.Tensor] = field(default_factory=list)  # [*, width] rows of tokens[num_sent:]
+    # Rows of tokens[num_sent:]: [*, width] tensors, or per-layer views (`drafter_features`).
+    unsent_features: list[torch.Tensor | tuple[torch.Tensor, ...]] = field(default_factory=list)
     budget: TreeBudget | None = None  # sent with the last update; the tree for `tree_round` must fit it
     tree_round: int = -1  # the round the drafter was asked to answer; -1 = none asked
     asked: bool = False  # a tree is awaited for its next verify (the policy gave it depth > 0)

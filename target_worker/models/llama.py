@@ -14,6 +14,7 @@ q and k rows are permuted per head for the interleaved RoPE of `layers.rope`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +201,7 @@ class LlamaFamilyModel:
             else reader.read("lm_head.weight", dtype, dim=0, start=v0, stop=v1)
         )
         self.norm = RMSNorm(reader.read("model.norm.weight", dtype).to(device), cfg.rms_norm_eps)
+        self.final_gain = self.norm.weight * math.sqrt(cfg.hidden_size)  # the norm, given rms_scale
         self.head = VocabParallelHead(
             fold_norm(head.to(device), self.norm.weight), per_rank, cfg.vocab_size, tp
         )
@@ -234,8 +236,12 @@ class LlamaFamilyModel:
                 layer_inputs[i] = h
             h = block(h, rotation, batch.cache_rows, plan, kv)
         rows = h if batch.logits_rows is None else h[batch.logits_rows]
+        scale = rms_scale(rows, self.cfg.rms_norm_eps)
+        final = None
+        if capture.final:  # fp32 decode: the logits' row scale serves (F.rms_norm is ~25 us on CPU)
+            final = h * scale * self.final_gain if rows is h and h.dtype == torch.float32 else self.norm(h)
         return ForwardOutput(
-            logits=self.head(rows, rms_scale(rows, self.cfg.rms_norm_eps)),  # final norm folded in
-            final_hidden=self.norm(h) if capture.final else None,
+            logits=self.head(rows, scale),  # final norm folded in
+            final_hidden=final,
             layer_inputs=layer_inputs,
         )

@@ -85,6 +85,12 @@ def test_bench_quick_json(tiny_family, quick_heads, tmp_path, capsys):
     hf_plain = [p for p in report["peers"] if p["name"] == "hf-plain"]
     assert all(p["target_forwards_per_token"] == 1.0 for p in hf_plain)
     assert [line["temperature"] for line in report["headline"]] == [0.0, 1.0]
+    (cost,) = report["sampling_cost"]  # plain at T = 1 beside plain at T = 0
+    assert (
+        cost["temperature"] == 1.0
+        and cost["runs"] == report["meta"]["prompts_per_set"] * report["meta"]["repeats"]
+    )
+    assert cost["speedup_vs_greedy"] > 0
     assert all(line["speedup_vs_hf_assisted"] > 0 for line in report["headline"])
 
     sizes = [r["tree_nodes"] for r in report["tree_sweep"] if r["method"] != "plain"]
@@ -97,7 +103,7 @@ def test_bench_quick_json(tiny_family, quick_heads, tmp_path, capsys):
 
     stem = out.with_suffix("")
     md = stem.with_suffix(".md").read_text()
-    assert "best method" in md and "## Serving" in md
+    assert "best method" in md and "## Serving" in md and "Plain decoding at T = 1" in md
     for suffix in ("methods", "tree_size", "serving"):
         png = stem.with_name(f"{stem.name}_{suffix}.png")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png.name})" in md

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from outrider.benchmarks import bench_drafting
-from outrider.benchmarks.bench_drafting import Cell, Run, lockstep, row_for
+from outrider.benchmarks.bench_drafting import Cell, Run, lockstep, row_for, sampling_cost
 from outrider.kernels import SpecDecodeCounters
 
 
@@ -78,6 +78,16 @@ def test_lockstep_plain_engines_give_what_generate_gives(tiny_family):
         (tokens_a, seconds_a), (tokens_b, seconds_b) = lockstep([a, b], prompt, params)
         assert tokens_a == tokens_b == expected and len(expected) == 12
         assert seconds_a > 0 and seconds_b > 0
+
+    # One params per engine: the sampling cost's pairs (T = 1 beside T = 0).
+    sampled = RequestParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    greedy = RequestParams(max_tokens=12, ignore_eos=True)
+    (tokens_a, _), (tokens_b, _) = lockstep([a, b], prompt, [sampled, greedy])
+    assert tokens_a == a.generate([prompt], sampled)[0].token_ids
+    assert tokens_b == a.generate([prompt], greedy)[0].token_ids != tokens_a
+    cost = sampling_cost(a, b, [prompt, prompt[::-1]], 1.0, repeats=2, max_tokens=12)
+    assert cost["runs"] == 4 and cost["temperature"] == 1.0
+    assert 0.2 < cost["speedup_vs_greedy"] < 5 and 0.2 < cost["speedup_paired"] < 5
 
 
 def run(tokens_per_s: float, plain_tokens_per_s: float, lockstep: bool = True) -> Run:

@@ -19,6 +19,7 @@ import torch
 import outrider.draft_worker.draft_model  # noqa: F401 - registers `draft_model`
 from outrider.draft_worker import build_proposer
 from outrider.proto import CandidateTree, DraftSampling, FeatureSpec, Limits, SequenceUpdate, validate_update
+from outrider.target_worker import drafter_features
 from outrider.target_worker.batch import HiddenCapture, SequenceChunk, build_forward_batch
 from outrider.target_worker.draft_source import InProcessDraftSource
 from outrider.target_worker.engine import Engine
@@ -304,9 +305,15 @@ def test_seeded_sampling_is_reproducible_in_any_batch(drafter, runner, prompts, 
     assert other_seed[0].token_ids != first[0]
 
 
-def test_features_are_the_hidden_states_that_predicted_each_token(runner, prompts):
+@pytest.mark.parametrize("held, max_batch", [(False, 4), (True, 4), (True, 1)])
+def test_features_are_the_hidden_states_that_predicted_each_token(
+    runner, prompts, held, max_batch, monkeypatch
+):
     """Updates carry, per new token, the captured layer inputs at the position before it,
-    through prefill chunks, decodes and accepted tree paths alike."""
+    through prefill chunks, decodes and accepted tree paths alike; `held`: the policy asks
+    for drafts one round in 12, so a sequence's rows pile up for 11 rounds (views of a
+    batch-1 round, copies beside other sequences) and go in one update; MAX_HELD_TENSORS = 2
+    joins them as they come."""
     layers = (0, 1)
     spec = FeatureSpec(layer_ids=layers, hidden_size=runner.model.hidden_size, dtype="float32")
     limits = Limits(max_batch=16, max_nodes=64, max_depth=16, max_top_k=16, max_q_width=64)
@@ -323,8 +330,13 @@ def test_features_are_the_hidden_states_that_predicted_each_token(runner, prompt
                 updates.setdefault(u.seq_id, []).append(u)
             return ngram.propose(batch)
 
-    engine = make_engine(runner, Recorder())
-    engine.generate(prompts[2:], RequestParams(max_tokens=16))
+    engine = make_engine(runner, Recorder(), budget_policy="fixed", max_batch=max_batch)
+    if held:
+        engine.policy.quiet = lambda num_sequences: engine.round % 12 != 0
+        monkeypatch.setattr(drafter_features, "MAX_HELD_TENSORS", 2)
+    engine.generate(prompts[2:], RequestParams(max_tokens=40 if held else 16))
+    if held:
+        assert max(len(u.new_tokens) for us in updates.values() for u in us[1:]) >= 12
     assert engine.stats.spec.num_accepted_tokens > 0
     for seq_updates in updates.values():
         live = [u for u in seq_updates if not u.finished]

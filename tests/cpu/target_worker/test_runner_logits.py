@@ -33,15 +33,18 @@ def test_ragged_scenario_matches_transformers(family, checkpoints, runners):
             assert diff <= ATOL, f"{family} step {step} row {row} (length {len(sequence)}): {diff}"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_captured_hidden_states_match_transformers(family, checkpoints, runners):
+@pytest.mark.parametrize("all_logits", [False, True])  # True: no logits_rows, the final norm reuses
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # the logits' row scale
+def test_captured_hidden_states_match_transformers(family, all_logits, checkpoints, runners):
     path, model = checkpoints[family]
     runner = runners[family]
     num_layers = model.config.num_hidden_layers
     ids = torch.randint(0, model.config.vocab_size, (11,), generator=torch.Generator().manual_seed(3))
     start = runner.cache.allocate(99, 16)
     capture = HiddenCapture.eagle3(num_layers)
-    out = runner.forward(build_forward_batch([SequenceChunk(start, 0, ids)], capture=capture))
+    batch = build_forward_batch([SequenceChunk(start, 0, ids, all_logits=all_logits)], capture=capture)
+    assert (batch.logits_rows is None) == all_logits
+    out = runner.forward(batch)
     runner.cache.free(99)
     with torch.no_grad():
         reference = model(ids[None], output_hidden_states=True).hidden_states  # L+1; [i] = input of layer i
@@ -49,7 +52,8 @@ def test_captured_hidden_states_match_transformers(family, checkpoints, runners)
     for layer, hidden in out.layer_inputs.items():
         assert (hidden - reference[layer][0]).abs().max() <= ATOL
     assert (out.final_hidden - reference[-1][0]).abs().max() <= ATOL  # after the final norm
-    assert out.logits.shape == (1, model.config.vocab_size)  # a chain returns only its last row
+    # A prompt chunk returns only its last row, unless all are asked for.
+    assert out.logits.shape == (11 if all_logits else 1, model.config.vocab_size)
 
 
 def test_bf16_runner_close_to_transformers_bf16(tmp_path):
