@@ -1,6 +1,7 @@
-"""The repository installs as one `outrider` namespace, and its rooms keep the design's shape.
+"""The repository installs as one `outrider` package, and its rooms keep the design's shape.
 
-- every folder with an `__init__.py` ships in the wheel (pyproject's `packages` list);
+- every package lives under outrider/ (nothing else at the checkout's root imports), and every
+  folder there with Python files has an `__init__.py`, so the wheel's package search finds it;
 - no import goes upward (docs/architecture.md, "Layout"): proto <- kernels <- target_worker
   <- draft_worker <- cluster, with demo a leaf that draft_worker and cluster import from below;
   cluster reaches benchmarks only inside the `bench` command;
@@ -19,6 +20,7 @@ from pathlib import Path
 import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
+SOURCE = REPO / "outrider"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 FOLDERS = ("proto", "kernels", "target_worker", "draft_worker", "demo", "cluster", "benchmarks")
 MAX_LINES = 450
@@ -41,7 +43,7 @@ def _sources() -> list[Path]:
     return sorted(
         path
         for folder in FOLDERS
-        for path in (REPO / folder).rglob("*.py")
+        for path in (SOURCE / folder).rglob("*.py")
         if not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))
     )
 
@@ -65,22 +67,33 @@ def _outrider_imports(path: Path) -> set[str]:
 
 
 def test_every_package_folder_ships_in_the_wheel():
-    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
-    on_disk = {
-        "outrider." + ".".join(init.parent.relative_to(REPO).parts)
-        for folder in FOLDERS
-        for init in (REPO / folder).rglob("__init__.py")
-    }
-    assert on_disk - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
-    assert listed - on_disk == set(), "pyproject.toml lists packages that do not exist"
-    mapping = PYPROJECT["tool"]["setuptools"]["package-dir"]
-    assert mapping == {f"outrider.{folder}": folder for folder in FOLDERS}
+    assert PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"] == ["outrider", "outrider.*"]
+    assert sorted(p.name for p in SOURCE.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(
+        FOLDERS
+    )
+    # find_packages skips a folder without an __init__.py: its modules would be missing from the wheel.
+    folders = {path.parent for path in SOURCE.rglob("*.py") if "__pycache__" not in path.parts}
+    missing = sorted(str(f.relative_to(REPO)) for f in folders if not (f / "__init__.py").is_file())
+    assert missing == [], "add an __init__.py to these folders"
+
+
+def test_nothing_at_the_root_imports_but_outrider():
+    """A checkout's root is on sys.path under `python -m` there: a package at the root would shadow
+    an installed one of the same name (`kernels` and `proto` are real PyPI packages)."""
+    importable = sorted(
+        p.name
+        for p in REPO.iterdir()
+        if (p.suffix == ".py" and p.is_file())
+        or (p / "__init__.py").is_file()
+        or (p.is_dir() and not p.name.startswith(".") and any(p.glob("*.py")))
+    )
+    assert importable == ["outrider"]
 
 
 def test_no_import_goes_upward():
     upward = []
     for path in _sources():
-        rel = path.relative_to(REPO).as_posix()
+        rel = path.relative_to(SOURCE).as_posix()
         package = rel.split("/")[0]
         for target in sorted(_outrider_imports(path) - ALLOWED[package]):
             if (rel, target) not in EXCEPTIONS:

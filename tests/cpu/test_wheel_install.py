@@ -39,9 +39,7 @@ def test_wheel_serves_beside_proto_plus_and_hf_kernels(tmp_path: Path, outrider_
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names}
     packages = {name for name in top_level if not name.endswith(".dist-info")}
-    assert packages == {"outrider"}, (
-        f"the wheel installs more than the outrider namespace: {sorted(top_level)}"
-    )
+    assert packages == {"outrider"}, f"the wheel installs more than the outrider package: {sorted(top_level)}"
     for shipped in (
         "outrider/proto/outrider.proto",
         "outrider/proto/outrider_pb2.pyi",

@@ -6,8 +6,8 @@
 # 1. pytest tests/gpu: Triton kernels compiled for the real device vs the torch references,
 #    the target runner on CUDA vs CPU, the DeepSeek-V3 runner on CUDA, and every drafting
 #    method on CUDA with greedy output equal to plain decoding (tiny demo family + heads);
-# 2. benchmarks/verify_microbench.py --full: torch vs Triton verification;
-# 3. benchmarks/gpu_verify_cost.py: the 32-layer Llama-3.1-8B shape (random bf16), paged: decode ms at
+# 2. outrider/benchmarks/verify_microbench.py --full: torch vs Triton verification;
+# 3. outrider/benchmarks/gpu_verify_cost.py: the 32-layer Llama-3.1-8B shape (random bf16), paged: decode ms at
 #    batch 1/16/64 as a share of the bandwidth bound, tree verify vs decode, transformers generate.
 # Logs and result files go to $OUT (default ./out). Wheels in .whl/ (e.g. a newer protobuf
 # than the machine has) are installed to /tmp/site first, for machines with no index.
@@ -19,11 +19,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-# Outrider's folders import as `outrider.<folder>`; without installing (no index there), a
-# namespace of links to them serves.
-NS=$(mktemp -d) && mkdir "$NS/outrider"
-for pkg in proto kernels target_worker draft_worker demo cluster benchmarks; do ln -s "$PWD/$pkg" "$NS/outrider/$pkg"; done
-export PYTHONPATH="$NS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Without installing (no index there), the checkout's root serves: it holds only `outrider/`.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # A prebuilt tiny demo family (and heads) carried in .devcache/ saves building it there.
 if [ -d .devcache/demo ]; then export OUTRIDER_HOME="$PWD/.devcache"; fi
 {

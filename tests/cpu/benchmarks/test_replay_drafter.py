@@ -1,4 +1,4 @@
-"""The replay drafter (benchmarks/replay_drafter.py) drafts with the acceptance it is told.
+"""The replay drafter (outrider/benchmarks/replay_drafter.py) drafts with the acceptance it is told.
 
 At T = 0 each of its draft tokens is the target's own next token with probability a, so a
 K-chain keeps (1 - a^(K+1)) / (1 - a) tokens per round on average; greedy output stays

@@ -1,4 +1,4 @@
-"""Drafters process their q as the target processes p (draft_worker/path_processors.py): each q
+"""Drafters process their q as the target processes p (outrider/draft_worker/path_processors.py): each q
 row a draft_model sends under penalties, logit_bias and min_tokens is the target's own
 processing (`target_worker.logits_processors`) of the draft LM's logits after that row's path,
 counts along the path included; and the fields reach the drafter through the wire."""

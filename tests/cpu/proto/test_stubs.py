@@ -39,7 +39,9 @@ def test_committed_descriptor_matches_the_proto(tmp_path: Path) -> None:
         for field in message.field:
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(outrider_pb2.DESCRIPTOR.serialized_pb)
-    assert compiled == committed, "proto/outrider.proto changed: run `python -m outrider.proto.generate`"
+    assert compiled == committed, (
+        "outrider/proto/outrider.proto changed: run `python -m outrider.proto.generate`"
+    )
 
 
 def test_committed_stubs_are_what_generate_writes(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """The target's path-dependent processors on a drafter's q: penalties, logit_bias, min_tokens.
 
 The target processes each tree node's p with the tokens on that node's path
-(`target_worker/logits_processors.py`, docs/algorithms.md section 2d). A model drafter that
+(`outrider/target_worker/logits_processors.py`, docs/algorithms.md section 2d). A model drafter that
 processes its own logits the same way, each row with *its* path, draws from a q closer to p,
 so more of its drafts are accepted; verification is lossless either way (it tests against the
 target's processed p, and a sampled child is drawn from the q row that is sent).

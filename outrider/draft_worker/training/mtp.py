@@ -19,7 +19,7 @@ Two uses:
   t_{p+1} (acceptance rewards agreement with the target, docs/algorithms.md section 9), or plain
   CE on the data's tokens with `method_options={"loss": "ce"}`.
 - `MTPHead` + `mtp_loss` for joint training, where the target trains too and h carries
-  gradients (benchmarks/bench_mtp_deepseek.py: DeepSeek-V3's main loss + lambda * MTP loss).
+  gradients (outrider/benchmarks/bench_mtp_deepseek.py: DeepSeek-V3's main loss + lambda * MTP loss).
 
 Checkpoint (`mtp_checkpoint`): the target's config.json (num_hidden_layers = L, so the
 module is `model.layers.{L}.*`) and model.safetensors holding enorm, hnorm, eh_proj, the

@@ -6,7 +6,7 @@ HTTP ──> OpenAIIngress ──(Serve stream of token ids)──> TargetWorker
                                                      DraftWorker x M   (or in-process / external)
 
 serve run cluster.app:build_app demo=tiny         # args as key=value
-serve run cluster/serve_demo.yaml                  # import_path + args
+serve run outrider/cluster/serve_demo.yaml                  # import_path + args
 outrider serve --demo tiny                         # the same, with an embedded local Ray
 """
 

@@ -2,7 +2,7 @@
 
 The engine is *handed* a draft source by whoever builds it (docs/architecture.md, "Layout"); it never
 imports `draft_worker`. Two implementations exist: `InProcessDraftSource` (a proposer in the
-same process, below) and the gRPC client (`target_worker/draft_client/`, the
+same process, below) and the gRPC client (`outrider/target_worker/draft_client/`, the
 disaggregation issue). One round, seen from the engine:
 
     source.submit(updates)          # right after commit: deltas for the sequences still running

@@ -4,7 +4,7 @@
 
 For each drafter and temperature, the same seeded batch of `mid` prompts decodes free and
 under a JSON schema (xgrammar; the mask applied at every tree node with the matcher advanced
-along its path, target_worker/logits_processors.py), each beside plain decoding under the
+along its path, outrider/target_worker/logits_processors.py), each beside plain decoding under the
 same constraint. The drafters know nothing of the grammar: every draft token the grammar
 forbids is rejected by verification, which is what the acceptance length under the grammar
 measures. Every constrained output is parsed and validated against the schema.
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "complete), seeded requests, in-process drafters (4 tokens a round; `draft_model-tree`: top-3, 12 "
         f"nodes), fixed budgets, one torch thread, {args.repeats} repeats in rotating order after one "
         "unmeasured warm-up (medians; speedups are ratios to `plain` under the same constraint in the same "
-        "repeat). `json_schema`: the schema in benchmarks/bench_structured.py through xgrammar, compact JSON. "
+        "repeat). `json_schema`: the schema in outrider/benchmarks/bench_structured.py through xgrammar, compact JSON. "
         "`valid_json`: share of the outputs that parse and validate; `same_as_plain`: the outputs are token "
         "for token plain decoding's (expected at T = 0; at T = 1 the same seeds draw differently with a "
         "drafter, equal only in distribution). The drafters do not see the grammar."

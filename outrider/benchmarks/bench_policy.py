@@ -5,11 +5,11 @@
 
 For each method, temperature and batch size: plain decoding, fixed K in {1, 2, 4, 8} (every
 sequence drafts K tokens every round: vLLM's behaviour) and the adaptive policy (ceiling 8;
-target_worker/spec_policy.py), run in rotating order, `--repeats` times after one unmeasured
+outrider/target_worker/spec_policy.py), run in rotating order, `--repeats` times after one unmeasured
 warm-up; medians; speedups are ratios to plain within the same repeat.
 
 The `replay-a` methods propose the target's own recorded greedy continuation with each token
-replaced with probability 1 - a (benchmarks/replay_drafter.py): at T = 0 a K-chain keeps
+replaced with probability 1 - a (outrider/benchmarks/replay_drafter.py): at T = 0 a K-chain keeps
 tau(K) = (1 - a^(K+1)) / (1 - a) tokens per round for next to no drafting time, so the ideal
 speedup of fixed K is tau(K) x verify(B) / verify(B (K + 1)), with verify(N) = a + b N seconds
 fitted in the same run (the adaptive engine's own cost line); the report puts it beside the

@@ -36,29 +36,29 @@ import torch
 from outrider.benchmarks.report import add_run_arguments, write_run_report
 
 PHASES = {
-    "forward": (("target_worker/runner.py", "forward"),),
+    "forward": (("outrider/target_worker/runner.py", "forward"),),
     "drafting": (("draft_source.py", "collect"), ("draft_source.py", "submit"), ("target.py", "collect")),
     "verify": (
-        ("target_worker/verify_inputs.py", "target_probs"),
-        ("target_worker/verify_inputs.py", "verify_randoms"),
-        ("target_worker/verify_inputs.py", "greedy_rows"),
-        ("kernels/verification.py", "verify"),
+        ("outrider/target_worker/verify_inputs.py", "target_probs"),
+        ("outrider/target_worker/verify_inputs.py", "verify_randoms"),
+        ("outrider/target_worker/verify_inputs.py", "greedy_rows"),
+        ("outrider/kernels/verification.py", "verify"),
     ),
     "plan": (
-        ("target_worker/engine.py", "_checked_trees"),
-        ("target_worker/round_plan.py", "plan_round"),
-        ("target_worker/kv_scheduler.py", "reserve"),
+        ("outrider/target_worker/engine.py", "_checked_trees"),
+        ("outrider/target_worker/round_plan.py", "plan_round"),
+        ("outrider/target_worker/kv_scheduler.py", "reserve"),
     ),
     "policy": (
-        ("target_worker/spec_policy.py", "budgets"),
-        ("target_worker/spec_policy.py", "observe_round"),
-        ("target_worker/draft_trust.py", "audit"),
+        ("outrider/target_worker/spec_policy.py", "budgets"),
+        ("outrider/target_worker/spec_policy.py", "observe_round"),
+        ("outrider/target_worker/draft_trust.py", "audit"),
     ),
     "commit": (
-        ("target_worker/kv_cache.py", "compact"),
-        ("target_worker/kv_scheduler.py", "settle"),
-        ("target_worker/engine.py", "_append_outputs"),
-        ("kernels/spec_metrics.py", "observe"),
+        ("outrider/target_worker/kv_cache.py", "compact"),
+        ("outrider/target_worker/kv_scheduler.py", "settle"),
+        ("outrider/target_worker/engine.py", "_append_outputs"),
+        ("outrider/kernels/spec_metrics.py", "observe"),
     ),
 }
 
@@ -87,9 +87,9 @@ def phase_shares(stats: pstats.Stats) -> dict[str, float]:
                 )
         return out
 
-    step = total("target_worker/engine.py", "step")
+    step = total("outrider/target_worker/engine.py", "step")
     shares = {phase: sum(total(f, n) for f, n in parts) / step for phase, parts in PHASES.items()}
-    shares["forward"] = called_from_step("target_worker/runner.py", "forward") / step
+    shares["forward"] = called_from_step("outrider/target_worker/runner.py", "forward") / step
     shares["other"] = max(0.0, 1.0 - sum(shares.values()))
     return shares
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode rounds only (prompts prefilled first), fixed budgets (each method's own K, chains), one torch "
         "thread. `round_us`, `tokens_per_round` and `tokens_per_s` are measured without the profiler; the "
         "`*_share` columns are each phase's cumulative time under cProfile as a share of `Engine.step`'s "
-        "(phases in the module docstring of benchmarks/profile_round.py); they add up to 1."
+        "(phases in the module docstring of outrider/benchmarks/profile_round.py); they add up to 1."
     )
     write_run_report("profile_round", rows, args, title="Where a round's time goes", notes=notes)
     return 0

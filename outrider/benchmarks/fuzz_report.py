@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SUITES = [
     "tests/cpu/cluster/test_fuzz_http.py",
     "tests/cpu/draft_worker/test_server_fuzz.py",

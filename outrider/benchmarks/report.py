@@ -18,7 +18,7 @@ from pathlib import Path
 
 # In a checkout the reports land in benchmarks/results/ (where the committed ones live); from an
 # installed wheel, in the working directory, never inside site-packages.
-_CHECKOUT = Path(__file__).resolve().parents[1]
+_CHECKOUT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = _CHECKOUT / "benchmarks" / "results" if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd()
 
 

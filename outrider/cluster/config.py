@@ -16,7 +16,7 @@ a message naming the field; the engine and the workers get frozen values built f
       api_key_file                                     the ingress's Bearer key, read from a file
       request_limits: RequestLimitsArgs                body bytes and prompt characters per request
 
-A minimal Serve config (`serve run cluster/serve_demo.yaml`):
+A minimal Serve config (`serve run outrider/cluster/serve_demo.yaml`):
 
     applications:
       - import_path: outrider.cluster.app:build_app

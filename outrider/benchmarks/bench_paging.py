@@ -149,7 +149,7 @@ def run_in_process(spec: dict, kind: str, commit: str | None) -> dict:
 
 def export_commit(commit: str, into: Path) -> Path:
     """`commit`'s sources as an importable `outrider` namespace under `into`; returns the path to import from."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     source = into / "src"
     source.mkdir()
     archive = subprocess.run(

@@ -17,14 +17,12 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from outrider.benchmarks.report import RESULTS_DIR
 from outrider.kernels.packing import PackedTrees
 from outrider.kernels.verification import draw_verify_randoms, verify
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def random_batch(batch: int, nodes: int, vocab: int, q_top_k: int, device: str, gen: torch.Generator):
@@ -101,7 +99,7 @@ def main() -> None:
 
 
 def write_report(rows: list[dict], device: str, args: argparse.Namespace) -> None:
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS_DIR.mkdir(exist_ok=True)
     env = dict(
         device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         torch=torch.__version__,
@@ -109,11 +107,11 @@ def write_report(rows: list[dict], device: str, args: argparse.Namespace) -> Non
         repeats=args.repeats,
     )
     name = "verify_microbench_cuda" if device == "cuda" else "verify_microbench"
-    (RESULTS / f"{name}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1) + "\n")
+    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1) + "\n")
     lines = [
         "# Verification microbenchmark",
         "",
-        f"`python benchmarks/verify_microbench.py{' --full' if args.full else ''}` on {env['device']}"
+        f"`python -m outrider.benchmarks.verify_microbench{' --full' if args.full else ''}` on {env['device']}"
         f" (torch {env['torch']}, {args.threads} CPU thread(s), median of {args.repeats}).",
         "Time of one `kernels.verify` call over the batch; tau = mean output tokens per tree.",
         "",
@@ -126,7 +124,7 @@ def write_report(rows: list[dict], device: str, args: argparse.Namespace) -> Non
         + f" | {r['ms']:.2f} | {r['tau']:.2f} |"
         for r in rows
     ]
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS_DIR / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{PENALTIES} + {VLLM_PENALTIES} (vLLM's fields in extra_body). Logprob gaps: the largest |difference| "
         "from `off` of every output token's logprob and top logprobs (completions: logprobs=5 with the penalties, "
         "whole and streamed; chat: top_logprobs=3), inf if a token or a top set differs. json_schema: the "
-        f"schema of benchmarks/bench_structured.py; greedy output compared with `off`; {SAMPLED_JSON} outputs at "
+        f"schema of outrider/benchmarks/bench_structured.py; greedy output compared with `off`; {SAMPLED_JSON} outputs at "
         "T = 1 (5 seeds x n = 10) parsed and validated with jsonschema; tau under the schema = 1 + accepted / "
         "drafts over those requests (from the app's /metrics). eagle3-grpc: the family's eagle3 head in a draft "
         "deployment, trees over gRPC. "

@@ -18,7 +18,7 @@ Common keys (every method):
                             "without_replacement" (default), "with_replacement", "deterministic"
     budget_policy           how the target sizes each round's drafts: "adaptive" (default: per
                             sequence and round, up to the tree keys above, 0 when drafting does
-                            not pay; target_worker/spec_policy.py) or "fixed" (always the tree
+                            not pay; outrider/target_worker/spec_policy.py) or "fixed" (always the tree
                             keys above: vLLM's fixed K, for comparisons)
 
 The tree keys give the *default* budget, which is also the most this drafter offers at the

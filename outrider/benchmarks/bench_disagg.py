@@ -43,8 +43,6 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-
 # The server process: `--echo` answers with fixed trees (transport only), else a real proposer.
 SERVER_MAIN = """
 import json, os, sys
@@ -147,7 +145,7 @@ PINNED: tuple[list[int], list[int]] | None = None  # set by main() with --pin
 def start_server(config: dict) -> tuple[subprocess.Popen, int]:
     if PINNED is not None:
         config = {**config, "cpus": PINNED[1]}
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     process = subprocess.Popen(
         [sys.executable, "-c", SERVER_MAIN, json.dumps(config)],
         stdin=subprocess.PIPE,

@@ -1,5 +1,5 @@
 """Acceptance under penalties and logit_bias: drafters that process their q as the target's p, against
-drafters that do not (draft_worker/path_processors.py).
+drafters that do not (outrider/draft_worker/path_processors.py).
 
     python -m outrider.benchmarks.bench_penalties --size tiny        # the committed report
 

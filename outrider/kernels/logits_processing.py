@@ -8,7 +8,7 @@ temperature 0 are greedy and come out as a one-hot argmax (first index on ties).
 
 Disabled values: top_k <= 0 or >= vocab, top_p >= 1, min_p <= 0.
 
-Two implementations, same signature, picked by `backend` (kernels/backend.py; auto = Triton
+Two implementations, same signature, picked by `backend` (outrider/kernels/backend.py; auto = Triton
 on CUDA, torch elsewhere): the torch reference below sorts the vocabulary;
 `logits_processing_triton` finds the top-k and top-p cuts by bisection over the values
 instead (no sort). They agree up to float rounding except on ties at a top-k / top-p cut:

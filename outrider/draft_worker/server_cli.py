@@ -4,7 +4,7 @@
     outrider draft-server --method draft_model --port 50051 --model /models/draft \\
         --tls-cert server.pem --tls-key server.key --tls-client-ca ca.pem --token-file token
 
-`cluster/cli.py` owns the command map; it calls `add_draft_server_parser(commands, ...)` and
+`outrider/cluster/cli.py` owns the command map; it calls `add_draft_server_parser(commands, ...)` and
 passes a `resolve_demo` callback that turns `--demo SIZE` into the demo family's folders,
 since draft_worker must not import cluster (docs/architecture.md, "Layout").
 
