@@ -9,9 +9,12 @@ one after another: each method in `--methods`, each placement (`colocated`: the 
 the target replica's process; `disaggregated`: a draft deployment reached over gRPC), each
 budget (`adaptive`, the speculation policy with ceiling max(ks); `K<k>`, every sequence
 drafts k tokens every round, vLLM's behaviour). At every temperature and concurrency c the
-two applications run back to back, in alternating order, each answering max(requests, c)
-streamed `/v1/completions` from c client threads (held-out `mid` prompts as token ids;
-seeded at T = 1); a configuration's speedup is its output token throughput over off's
+two applications answer n = max(requests, 2c) streamed `/v1/completions` each, from c client
+threads (held-out `mid` prompts as token ids; seeded at T = 1), in two halves run A B B A
+(which application goes first alternates): on this 2-core machine one application's
+throughput drifts by up to 30% from one level to the next (the proxy, ingress and replica
+share the cores), and the mirrored order cancels drift that is linear in time. A
+configuration's speedup is its output token throughput (over both its halves) over off's
 measured beside it. Each application first answers 4 unmeasured requests (lazy
 initialisation, and the policy's warm-up rounds: a long-running server has had them).
 
@@ -71,7 +74,7 @@ def spec_counters(base: str) -> dict[str, float]:
     return totals
 
 
-def run_level(
+def run_block(
     base: str,
     model: str,
     prompts: list[tuple[int, ...]],
@@ -80,10 +83,12 @@ def run_level(
     temperature: float,
     max_tokens: int,
     ignore_eos: bool = False,
-) -> dict:
-    """`requests` streamed completions from `concurrency` threads: one row's figures."""
+    first: int = 0,
+) -> tuple[list, float, dict, dict]:
+    """`requests` streamed completions (prompts from index `first` on) from `concurrency`
+    threads: (records, wall seconds, /metrics counters before, after)."""
     load = LoadGenerator(
-        base, model, [], max_tokens, seed=requests * 1000 + concurrency, ignore_eos=ignore_eos
+        base, model, [], max_tokens, seed=(first + requests) * 1000 + concurrency, ignore_eos=ignore_eos
     )
     before = spec_counters(base)
     started = time.perf_counter()
@@ -91,7 +96,7 @@ def run_level(
         records = list(
             pool.map(
                 lambda i: load.request(prompts[i % len(prompts)], stream=True, greedy=temperature == 0),
-                range(requests),
+                range(first, first + requests),
             )
         )
     wall = time.perf_counter() - started
@@ -99,6 +104,37 @@ def run_level(
     failed = [r.error for r in records if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} of {requests} requests failed at {base}: {failed[0]}")
+    return records, wall, before, after
+
+
+def run_level(base: str, model: str, prompts: list[tuple[int, ...]], concurrency: int, requests: int,
+              temperature: float, max_tokens: int, ignore_eos: bool = False) -> dict:  # fmt: skip
+    """`requests` streamed completions from `concurrency` threads: one row's figures."""
+    block = run_block(base, model, prompts, concurrency, requests, temperature, max_tokens, ignore_eos)
+    return level_figures([block])
+
+
+def paired_levels(pair: list[tuple[str, str]], halves: int, **level) -> dict[str, dict]:
+    """Each application of `pair` in `halves` blocks of level["requests"] // halves requests, in
+    mirrored order (A B B A): {who: its figures over its blocks}."""
+    size = level.pop("requests") // halves
+    blocks: dict[str, list] = {who: [] for who, _ in pair}
+    for half in range(halves):
+        for who, url in pair if half % 2 == 0 else pair[::-1]:
+            blocks[who].append(run_block(url, requests=size, first=half * size, **level))
+    return {who: level_figures(runs) for who, runs in blocks.items()}
+
+
+def level_figures(blocks: list[tuple[list, float, dict, dict]]) -> dict:
+    """One row's figures over an application's blocks of a level."""
+    records = [r for block in blocks for r in block[0]]
+    wall = sum(block[1] for block in blocks)
+    before: dict[str, float] = {}
+    after: dict[str, float] = {}
+    for _, _, b, a in blocks:  # counters over the blocks only (not what ran between them)
+        for key in a:
+            before[key] = before.get(key, 0.0) + b.get(key, 0.0)
+            after[key] = after.get(key, 0.0) + a[key]
     tokens = sum(r.tokens for r in records)
     ttft = [1000 * r.ttft_s for r in records if r.ttft_s is not None]
     tpot = [1000 * (r.latency_s - r.ttft_s) / (r.tokens - 1) for r in records if r.tokens > 1 and r.ttft_s]
@@ -158,16 +194,21 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
             base = deploy(label, speculative_config(method, budget, args.ks), placement)
             log(f"[{index + 1}] {label} up in {time.perf_counter() - started:.0f} s")
             for j, (temperature, concurrency) in enumerate(levels):
-                n = max(args.requests, concurrency)
+                n = max(args.requests, 2 * concurrency) // args.halves * args.halves
                 pair = [(OFF, off), (budget, base)]
                 if (index + j) % 2:
                     pair.reverse()
-                measured = {
-                    who: run_level(
-                        url, name, prompts, concurrency, n, temperature, args.max_tokens, args.ignore_eos
-                    )
-                    for who, url in pair
-                }
+                measured = paired_levels(
+                    pair,
+                    args.halves,
+                    model=name,
+                    prompts=prompts,
+                    concurrency=concurrency,
+                    requests=n,
+                    temperature=temperature,
+                    max_tokens=args.max_tokens,
+                    ignore_eos=args.ignore_eos,
+                )
                 ratio = measured[budget]["output_tok_s"] / measured[OFF]["output_tok_s"]
                 common = {"temperature": temperature, "concurrency": concurrency, "requests": n}
                 rows.append({"method": OFF, "placement": "—", "budget": "—", **common, **measured[OFF]})
@@ -230,7 +271,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", type=lambda s: s.split(","), default=["ngram", "draft_model"])
     parser.add_argument("--placements", type=lambda s: s.split(","), default=list(PLACEMENTS))
     parser.add_argument("--ks", type=ints, default=[1, 2, 4, 8], help="fixed K to compare (default: 1,2,4,8)")
-    parser.add_argument("--requests", type=int, default=16, help="requests per level (at least c)")
+    parser.add_argument(
+        "--requests", type=int, default=16, help="requests per application and level (at least 2c)"
+    )
+    parser.add_argument(
+        "--halves",
+        type=int,
+        default=2,
+        help="blocks each application's requests run in, in mirrored order (A B B A); 1: one block each",
+    )
     parser.add_argument("--prompts", type=int, default=32, help="distinct held-out prompts")
     parser.add_argument(
         "--ignore-eos",
@@ -239,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
         "at EOS at different lengths in the two applications weigh each request's TTFT differently",
     )
     args = parser.parse_args(argv)
+    if args.halves < 1:
+        parser.error("--halves must be at least 1")
     for placement in args.placements:
         if placement not in PLACEMENTS:
             parser.error(f"unknown placement {placement!r}; use {', '.join(PLACEMENTS)}")

@@ -31,3 +31,29 @@ def test_the_summary_puts_adaptive_beside_the_best_fixed_k_at_each_point():
     assert by_level[1]["best_fixed"] == "K4" and by_level[1]["best_fixed_vs_off"] == 1.6
     assert abs(by_level[1]["adaptive_vs_best_fixed"] - 1.5 / 1.6) < 1e-9
     assert by_level[4]["adaptive_vs_off"] is None and by_level[4]["adaptive_vs_best_fixed"] is None
+
+
+def test_paired_levels_run_mirrored_halves_and_merge_each_applications_blocks(monkeypatch):
+    from outrider.benchmarks import bench_http_sweep as sweep
+    from outrider.benchmarks.loadgen import RequestRecord
+
+    calls = []
+
+    def fake_block(url, requests, first, **level):
+        calls.append((url, first, requests))
+        tokens = 10 if url == "off" else 30  # per request
+        records = [
+            RequestRecord(0.0, 1.0, True, "stream", True, tokens=tokens, ttft_s=0.1, itl_s=[0.01])
+            for _ in range(requests)
+        ]
+        drafts = 0.0 if url == "off" else 4.0 * (first + 1)
+        return records, 2.0, {"drafts": 0.0, "accepted": 0.0}, {"drafts": drafts, "accepted": drafts / 2}
+
+    monkeypatch.setattr(sweep, "run_block", fake_block)
+    measured = sweep.paired_levels([("off", "off"), ("K2", "spec")], 2, requests=8, concurrency=4)
+    # A B B A, the second half's prompts after the first's
+    assert calls == [("off", 0, 4), ("spec", 0, 4), ("spec", 4, 4), ("off", 4, 4)]
+    assert measured["off"]["output_tok_s"] == 8 * 10 / 4.0  # both blocks' tokens over both walls
+    assert measured["K2"]["output_tok_s"] == 8 * 30 / 4.0
+    assert measured["off"]["acceptance_length"] is None
+    assert measured["K2"]["acceptance_length"] == 1.5  # counters summed over the blocks
