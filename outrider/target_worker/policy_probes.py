@@ -8,6 +8,7 @@ counts and the cost fits.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 
 from outrider.target_worker.policy_estimates import expected_gains, sequence_seconds
@@ -22,7 +23,9 @@ class Probing:
         `probe_share` of the time (every `min_probe_every` rounds for a lookup that costs
         next to nothing, hundreds apart for a draft model that must first catch up on a long
         sequence); until a probe has measured that, from `probe_every` rounds, doubling up to
-        `max_probe_every`."""
+        `max_probe_every`. Spaced by what they find as well (`_value_gap`): where probes
+        often land in a stretch that pays (a sequence that starts to loop, at T = 0), missing
+        it costs more than probing for it."""
         if not self.config.adaptive or self._warming_up():
             return depths
         if any(depths):
@@ -44,6 +47,9 @@ class Probing:
             if self._probe_extra is not None and off[2] > 0 and off[1] > 0:
                 share = self._probe_extra / (config.probe_share * off[1] / off[2])
                 gap = min(max(int(share), config.min_probe_every), 4 * config.max_probe_every)
+            found = self._value_gap()
+            if found is not None:
+                gap = max(config.min_probe_every, min(gap, int(found)))
         self._next_probe = self.rounds + gap
         return probed
 
@@ -67,3 +73,32 @@ class Probing:
         seconds = sequence_seconds([row], b, ask, overhead, g)[0]
         rates = [row[0][k] / max(base_s + seconds[k] + c + e * k, 1e-9) for k in range(1, len(seconds))]
         return 1 + max(range(len(rates)), key=rates.__getitem__) if rates else 1
+
+    def _value_gap(self) -> float | None:
+        """The probe spacing that loses least, counting what probes find: a share h of them
+        land where drafting pays (`_note_probe`), each such round gaining `gain` plain-equivalent
+        tokens over a round without drafts, in a stretch that lasts up to what is left of its
+        sequence (on average half a sequence's life, L); the others cost `_probe_extra`. With
+        probes every g rounds a paying stretch waits ~g/2 rounds to be found, so a round loses
+        h gain g / (2 L) + (1 - h) extra / g, least at g = sqrt(2 L (1 - h) extra / (h gain)).
+        None until it has been measured (and where no probe found anything: T = 1 at batch 1,
+        the cost-based spacing alone)."""
+        hits, probes, gain, life = self._probe_finds
+        if self._probe_extra is None or life is None or hits <= 0.0 or gain <= 0.0:
+            return None
+        h = hits / probes
+        return math.sqrt(2.0 * 0.5 * life * (1.0 - h) * self._probe_extra / (h * gain / hits))
+
+    def _note_probe(self, gain: float) -> None:
+        """A probe round while speculation was off gained `gain` plain-equivalent tokens over a
+        round without drafts (its drafter's catching up aside); > 0 is a find."""
+        hits, probes, total, life = self._probe_finds
+        d = self.config.probe_find_decay
+        found = gain > 0.0
+        self._probe_finds = (d * hits + found, d * probes + 1.0, d * total + (gain if found else 0.0), life)
+
+    def _note_life(self, tokens: int) -> None:
+        """A finished sequence decoded `tokens` (rounds, where it was off): its life, for L."""
+        hits, probes, total, life = self._probe_finds
+        life = float(tokens) if life is None else 0.9 * life + 0.1 * tokens
+        self._probe_finds = (hits, probes, total, life)

@@ -91,6 +91,9 @@ class SpeculationPolicy(Probing):
         # the drafter up included: probes spaced wider catch up on more, so a drafter whose
         # catching up alone costs more than `probe_share` is probed at the widest spacing).
         self._probing, self._probe_extra = False, None  # None: not measured yet
+        # Decayed (finds, probes, their gain) of probe rounds while off, and sequences' life
+        # in tokens (None: none finished yet): what probes find (`_value_gap`).
+        self._probe_finds: tuple[float, float, float, float | None] = (0.0, 0.0, 0.0, None)
         # The depth a probe drafts, per sampling class: the best for a sequence known only by
         # the batch-wide counts (`_probe_depths`), set at each full solve.
         self._probe_at = {True: 1, False: 1}
@@ -184,6 +187,9 @@ class SpeculationPolicy(Probing):
         # catching up on every token since the last probe: the pause's cost, not drafting's.
         worth -= self.draft_cost.coefficients()[2] * self._sent * len(outcomes) / (plain_s or 1.0)
         probe_paid = off[2] < config.off_min_rounds or committed * off[1] >= off[0] * max(worth, 0.0)
+        measured_off = off[2] >= config.off_min_rounds and off[1] > 0 and not prefill_tokens
+        if measured_off and self._solved is not None and self._solved[0] == 0 and any(o[1] for o in outcomes):
+            self._note_probe(committed - max(worth, 0.0) * off[0] / off[1])  # a probe while off
         asked = drafted = 0
         self._tree_nodes *= config.global_decay
         self._tree_depths *= config.global_decay
@@ -309,7 +315,10 @@ class SpeculationPolicy(Probing):
             outcomes, tokens, round_s, max(budgets, default=0), draft_wait_s, plan.num_prefill_tokens, nodes
         )
 
-    def forget(self, seq_id: int) -> None:
+    def forget(self, seq_id: int, tokens: int | None = None) -> None:
+        """A sequence is done (`tokens`: what it decoded, when it finished) or aborted."""
+        if tokens is not None:
+            self._note_life(tokens)
         self.seqs.pop(seq_id, None)
         self._greedy.pop(seq_id, None)
         self._gain_rows.pop(seq_id, None)

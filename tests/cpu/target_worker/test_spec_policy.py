@@ -491,3 +491,20 @@ def test_a_probe_is_depth_1_where_the_batch_wide_counts_say_drafts_are_lost():
         probes += [k] if k else []
         policy.observe([(1, k, k, 0, 1)], 1 + k, 2.7e-3 + 3e-3 * (k > 0), 0, 0.0)
     assert probes and set(probes) == {1}
+
+
+def test_probes_are_spaced_by_what_they_find_as_well_as_by_what_they_cost():
+    policy = SpeculationPolicy(CEILING, PolicyConfig())
+    policy._probe_extra = 2.0  # a probe round costs 2 plain-equivalent tokens more than an off one
+    assert policy._value_gap() is None  # nothing measured: the cost-based spacing alone
+    policy.forget(0, tokens=128)  # sequences live 128 tokens: a paying stretch, up to 64 on average
+    for _ in range(20):
+        policy._note_probe(-1.0)  # probes that found nothing (T = 1): still the cost alone
+    assert policy._value_gap() is None
+    for gain in (1.5, -1.0, -1.0, -1.0):  # now one in four finds a stretch gaining 1.5 a round
+        policy._note_probe(gain)
+    hits, probes, total, life = policy._probe_finds
+    h = hits / probes
+    expected = (2 * 0.5 * life * (1 - h) * 2.0 / (h * total / hits)) ** 0.5
+    assert abs(policy._value_gap() - expected) < 1e-9
+    assert 4 < policy._value_gap() < 256  # tighter than the cost-based spacing of 2 / 1% = 200
