@@ -20,7 +20,7 @@ class PolicyConfig:
     max_resolve_every: int = 64  # the spacing doubles up to this while solves keep their answer
     probe_share: float = 0.01  # while off, probes may cost about this share of the time
     warmup_cycles: int = 2  # rounds 0 .. (ceiling + 1) * cycles - 1 cycle the depth 0 .. ceiling
-    probe_find_decay: float = 0.9  # per-probe decay of what probes found (`_value_gap`)
+    probe_find_decay: float = 0.95  # per-probe decay of what probes found (`_value_gap`)
     probe_chain: int = 32  # kept probes in a row that paid, before spacing them again
     goodput_decay: float = 0.98  # per-round decay of the measured goodput of drafting / off rounds
     goodput_min_rounds: float = 10.0  # decayed drafting rounds (bursty) before the check can veto

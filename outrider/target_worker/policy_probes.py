@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from outrider.target_worker.policy_estimates import expected_gains, sequence_seconds
 
@@ -50,7 +51,7 @@ class Probing:
             found = self._value_gap()
             if found is not None:
                 gap = max(config.min_probe_every, min(gap, int(found)))
-        self._next_probe = self.rounds + gap
+        self._next_probe, self._last_probe = self.rounds + gap, self.rounds
         return probed
 
     def _probe_depth(self, greedy: bool, base_s: float, b: float, ask: float, overhead: float) -> int:
@@ -76,29 +77,76 @@ class Probing:
 
     def _value_gap(self) -> float | None:
         """The probe spacing that loses least, counting what probes find: a share h of them
-        land where drafting pays (`_note_probe`), each such round gaining `gain` plain-equivalent
-        tokens over a round without drafts, in a stretch that lasts up to what is left of its
-        sequence (on average half a sequence's life, L); the others cost `_probe_extra`. With
-        probes every g rounds a paying stretch waits ~g/2 rounds to be found, so a round loses
-        h gain g / (2 L) + (1 - h) extra / g, least at g = sqrt(2 L (1 - h) extra / (h gain)).
-        None until it has been measured (and where no probe found anything: T = 1 at batch 1,
-        the cost-based spacing alone)."""
-        hits, probes, gain, life = self._probe_finds
-        if self._probe_extra is None or life is None or hits <= 0.0 or gain <= 0.0:
-            return None
-        h = hits / probes
-        return math.sqrt(2.0 * 0.5 * life * (1.0 - h) * self._probe_extra / (h * gain / hits))
+        find a stretch where drafting pays (their chain turned speculation on: `_note_find`),
+        each of its rounds gaining `gain` plain-equivalent tokens over a round without drafts,
+        lasting up to what is left of its sequence (on average half a sequence's life, L); the
+        others cost `_probe_extra`. With probes every g rounds such a stretch waits ~g/2 rounds
+        to be found, so a round loses h gain g / (2 L) + (1 - h) extra / g, least at
+        g = sqrt(2 L (1 - h) extra / (h gain)).
 
-    def _note_probe(self, gain: float) -> None:
+        h counts half a find in one pseudo-probe (a stretch that pays is not ruled out by a
+        few probes that found none: at T = 0 a sequence loops only after a while), so where
+        probes never find one it settles near 1 / (2 (1 + 1 / (1 - probe_find_decay))) and
+        the cost-based spacing rules; `gain` is the finds' mean (the best probe round of each
+        find's chain), or before any, the probes' mean upside (what they would have gained
+        had every draft been kept). None until a probe's cost and a sequence's life are
+        measured: the cost-based spacing alone."""
+        f = self._finds
+        if self._probe_extra is None or f.life is None or f.probes <= 0.0:
+            return None
+        h = (f.finds + 0.5) / (f.probes + 1.0)
+        gain = f.gain / f.finds if f.finds > 0.0 else f.upside / f.probes
+        if gain <= 0.0:  # not even a kept probe would pay for its round
+            return None
+        return math.sqrt(2.0 * 0.5 * f.life * (1.0 - h) * self._probe_extra / (h * gain))
+
+    def _respace_probes(self) -> None:
+        """What probes found moved: the next probe is due `_value_gap` after the last one, if
+        that is sooner than planned (a gap set before the first measurement was a guess)."""
+        found = self._value_gap()
+        if found is not None:
+            at = self._last_probe + max(self.config.min_probe_every, int(found))
+            if at < self._next_probe:
+                self._next_probe, self._calm_until = at, min(self._calm_until, at)
+
+    def _note_probe(self, gain: float, upside: float) -> None:
         """A probe round while speculation was off gained `gain` plain-equivalent tokens over a
-        round without drafts (its drafter's catching up aside); > 0 is a find."""
-        hits, probes, total, life = self._probe_finds
-        d = self.config.probe_find_decay
-        found = gain > 0.0
-        self._probe_finds = (d * hits + found, d * probes + 1.0, d * total + (gain if found else 0.0), life)
+        round without drafts (its drafter's catching up aside), and would have gained `upside`
+        had every draft been kept."""
+        f, d = self._finds, self.config.probe_find_decay
+        f.probes, f.finds, f.gain, f.upside = (
+            d * f.probes + 1.0,
+            d * f.finds,
+            d * f.gain,
+            d * f.upside + upside,
+        )
+        f.chain_gain = max(gain, f.chain_gain if self._chain else gain)  # a chain's best round
+        self._respace_probes()
+
+    def _note_find(self) -> None:
+        """A solve turned speculation on after it was off: what the probes found."""
+        f = self._finds
+        f.finds += 1.0
+        f.gain += f.chain_gain if f.chain_gain > 0.0 else f.upside / max(f.probes, 1.0)
+        f.chain_gain = 0.0
+        self._respace_probes()
 
     def _note_life(self, tokens: int) -> None:
         """A finished sequence decoded `tokens` (rounds, where it was off): its life, for L."""
-        hits, probes, total, life = self._probe_finds
-        life = float(tokens) if life is None else 0.9 * life + 0.1 * tokens
-        self._probe_finds = (hits, probes, total, life)
+        f = self._finds
+        f.life = float(tokens) if f.life is None else 0.9 * f.life + 0.1 * tokens
+        self._respace_probes()
+
+
+@dataclass
+class ProbeFinds:
+    """What probes found (`Probing._value_gap`), decayed per probe: probe rounds while off,
+    the finds among them, the finds' gain and the probes' upside; the mean life of finished
+    sequences in tokens (None: none yet); the best gain of a probe round in the current chain."""
+
+    probes: float = 0.0
+    finds: float = 0.0
+    gain: float = 0.0
+    upside: float = 0.0
+    life: float | None = None
+    chain_gain: float = 0.0

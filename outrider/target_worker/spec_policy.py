@@ -48,7 +48,7 @@ from outrider.target_worker.policy_estimates import (
     sequence_seconds,
 )
 from outrider.target_worker.policy_goodput import GoodputCheck
-from outrider.target_worker.policy_probes import Probing
+from outrider.target_worker.policy_probes import ProbeFinds, Probing
 from outrider.target_worker.round_plan import RoundPlan, tree_depth
 
 if TYPE_CHECKING:
@@ -85,15 +85,14 @@ class SpeculationPolicy(Probing):
         self._solved_cap = 0  # the deepest per-sequence ceiling the last solve could choose
         self._lam = 0.0  # the last choice's rate (committed tokens a second)
         self._probe_interval, self._next_probe = self.config.probe_every, 0
+        self._last_probe = 0  # the round of the last probe
         self._chain = 0  # kept probes in a row since speculation was last on
         # Probe rounds while off: whether the planned round is one, and what a probe round
         # costs beyond a round without drafts (plain-equivalent tokens, as `check`; catching
         # the drafter up included: probes spaced wider catch up on more, so a drafter whose
         # catching up alone costs more than `probe_share` is probed at the widest spacing).
         self._probing, self._probe_extra = False, None  # None: not measured yet
-        # Decayed (finds, probes, their gain) of probe rounds while off, and sequences' life
-        # in tokens (None: none finished yet): what probes find (`_value_gap`).
-        self._probe_finds: tuple[float, float, float, float | None] = (0.0, 0.0, 0.0, None)
+        self._finds = ProbeFinds()  # what probes found, for their spacing (`_value_gap`)
         # The depth a probe drafts, per sampling class: the best for a sequence known only by
         # the batch-wide counts (`_probe_depths`), set at each full solve.
         self._probe_at = {True: 1, False: 1}
@@ -189,7 +188,8 @@ class SpeculationPolicy(Probing):
         probe_paid = off[2] < config.off_min_rounds or committed * off[1] >= off[0] * max(worth, 0.0)
         measured_off = off[2] >= config.off_min_rounds and off[1] > 0 and not prefill_tokens
         if measured_off and self._solved is not None and self._solved[0] == 0 and any(o[1] for o in outcomes):
-            self._note_probe(committed - max(worth, 0.0) * off[0] / off[1])  # a probe while off
+            plain = max(worth, 0.0) * off[0] / off[1]  # what an off round commits in its time
+            self._note_probe(committed - plain, sum(o[2] + 1 for o in outcomes) - plain)  # a probe while off
         asked = drafted = 0
         self._tree_nodes *= config.global_decay
         self._tree_depths *= config.global_decay
@@ -416,6 +416,8 @@ class SpeculationPolicy(Probing):
             # estimates move, and a kept probe asks for the next solve at once. A new answer
             # is checked again `resolve_every` rounds on. (At batch 1 a solve cost ~3% of an
             # 8 ms round: every 8 rounds, most of what the policy cost beyond fixed K.)
+            if pick and self._solved is not None and self._solved[0] == 0:
+                self._note_find()
             same = self._solved is not None and pick == self._solved[0]
             self._solve_interval = (
                 min(2 * self._solve_interval, self.config.max_resolve_every)

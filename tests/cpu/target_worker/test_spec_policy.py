@@ -498,13 +498,55 @@ def test_probes_are_spaced_by_what_they_find_as_well_as_by_what_they_cost():
     policy._probe_extra = 2.0  # a probe round costs 2 plain-equivalent tokens more than an off one
     assert policy._value_gap() is None  # nothing measured: the cost-based spacing alone
     policy.forget(0, tokens=128)  # sequences live 128 tokens: a paying stretch, up to 64 on average
-    for _ in range(20):
-        policy._note_probe(-1.0)  # probes that found nothing (T = 1): still the cost alone
-    assert policy._value_gap() is None
-    for gain in (1.5, -1.0, -1.0, -1.0):  # now one in four finds a stretch gaining 1.5 a round
-        policy._note_probe(gain)
-    hits, probes, total, life = policy._probe_finds
-    h = hits / probes
-    expected = (2 * 0.5 * life * (1 - h) * 2.0 / (h * total / hits)) ** 0.5
+    assert policy._value_gap() is None  # no probe yet
+    for _ in range(200):  # probes that found nothing, though a kept one would gain 0.5 (T = 1)
+        policy._note_probe(-1.0, 0.5)
+    idle = policy._value_gap()
+    assert idle > 2.0 / policy.config.probe_share / 2  # about the cost-based spacing: finds assumed rare
+    for _ in range(3):  # now one chain in four turns speculation on, its best round gaining 1.5
+        for gain in (-1.0, -1.0, -1.0, 1.5):
+            policy._note_probe(gain, 2.0)
+        policy._note_find()
+    f = policy._finds
+    h = (f.finds + 0.5) / (f.probes + 1.0)
+    expected = (2 * 0.5 * f.life * (1 - h) * 2.0 / (h * f.gain / f.finds)) ** 0.5
+    assert abs(f.gain / f.finds - 1.5) < 1e-9
     assert abs(policy._value_gap() - expected) < 1e-9
-    assert 4 < policy._value_gap() < 256  # tighter than the cost-based spacing of 2 / 1% = 200
+    assert policy.config.min_probe_every < policy._value_gap() < idle / 2
+
+
+def test_a_find_brings_the_next_probe_forward():
+    policy = SpeculationPolicy(CEILING, PolicyConfig())
+    policy._probe_extra, policy._last_probe, policy._next_probe = 2.0, 100, 356  # planned by cost
+    policy.forget(0, tokens=128)
+    policy._note_probe(3.0, 3.0)  # the probe at round 100 kept its drafts, and the solve turned on
+    policy._note_find()
+    assert 100 + policy.config.min_probe_every <= policy._next_probe < 356
+    assert policy._next_probe == 100 + int(policy._value_gap())
+
+
+def test_sequences_that_start_to_loop_mid_life_are_found_though_probes_are_expensive():
+    """Requests of 128 rounds at batch 1 whose drafts are lost for the first half of their
+    life and kept in the second (greedy text that starts to loop), with a drafter whose every
+    round costs twice a round without drafts (a remote one's round trip): probes must come
+    often enough to find the loops, not once per 200 rounds (what 1% of the time allows)."""
+    ceiling = TreeBudget(max_nodes=5, max_depth=4, top_k=1)
+    policy = SpeculationPolicy(ceiling, PolicyConfig())
+    rng = random.Random(0)
+    on_in_loops = loop_rounds = 0
+    for request in range(12):
+        depths = [b.max_depth for b in policy.budgets([request], [ceiling], 0)]
+        for position in range(128):
+            looping = position >= 64
+            k = depths[0]
+            kept = 0
+            while kept < k and rng.random() < (0.95 if looping else 0.05):
+                kept += 1
+            round_s = 2e-3 + 1e-4 * (k + 1) + (1e-3 if k else 0.0)
+            policy.observe([(request, k, k, kept, kept + 1)], k + 1, round_s, k, 2e-3 if k else 0.0)
+            if request >= 4 and looping:
+                loop_rounds += 1
+                on_in_loops += k > 0
+            depths = [b.max_depth for b in policy.budgets([request], [ceiling], 0)]
+        policy.forget(request, tokens=128)
+    assert on_in_loops / loop_rounds > 0.5
