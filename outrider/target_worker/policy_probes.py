@@ -48,9 +48,22 @@ class Probing:
             if self._probe_extra is not None and off[2] > 0 and off[1] > 0:
                 share = self._probe_extra / (config.probe_share * off[1] / off[2])
                 gap = min(max(int(share), config.min_probe_every), 4 * config.max_probe_every)
-            found = self._value_gap()
+            found = min(
+                (
+                    g
+                    for g in map(self._value_gap, {self._greedy.get(s, True) for s in seq_ids})
+                    if g is not None
+                ),
+                default=None,
+            )
             if found is not None:
                 gap = max(config.min_probe_every, min(gap, int(found)))
+        # Spacing wider than `probe_every` is jittered (x0.5 to x1.5, the same draw for
+        # `_respace_probes`): about as long as a request, probes at a fixed spacing landed at
+        # the same point of each one, never in the stretches that pay later in it (remote
+        # ngram, batch 1, T = 0).
+        self._jitter = 0.5 + self._rng.random() if gap > config.probe_every else 1.0
+        gap = max(gap if gap <= config.probe_every else config.probe_every, int(gap * self._jitter))
         self._next_probe, self._last_probe = self.rounds + gap, self.rounds
         return probed
 
@@ -73,9 +86,14 @@ class Probing:
         c, e, g = self.draft_cost.coefficients()
         seconds = sequence_seconds([row], b, ask, overhead, g)[0]
         rates = [row[0][k] / max(base_s + seconds[k] + c + e * k, 1e-9) for k in range(1, len(seconds))]
-        return 1 + max(range(len(rates)), key=rates.__getitem__) if rates else 1
+        depth = 1 + max(range(len(rates)), key=rates.__getitem__) if rates else 1
+        if not greedy:  # the chance such a probe keeps every draft: sampled text's prior of a find
+            self._finds[greedy].prior = (
+                max(0.0, min(1.0, row[0][depth] - row[0][depth - 1])) if rates else 0.0
+            )
+        return depth
 
-    def _value_gap(self) -> float | None:
+    def _value_gap(self, greedy: bool) -> float | None:
         """The probe spacing that loses least, counting what probes find: a share h of them
         find a stretch where drafting pays (their chain turned speculation on: `_note_find`),
         each of its rounds gaining `gain` plain-equivalent tokens over a round without drafts,
@@ -84,36 +102,45 @@ class Probing:
         to be found, so a round loses h gain g / (2 L) + (1 - h) extra / g, least at
         g = sqrt(2 L (1 - h) extra / (h gain)).
 
-        h counts half a find in one pseudo-probe (a stretch that pays is not ruled out by a
-        few probes that found none: at T = 0 a sequence loops only after a while), so where
-        probes never find one it settles near 1 / (2 (1 + 1 / (1 - probe_find_decay))) and
-        the cost-based spacing rules; `gain` is the finds' mean (the best probe round of each
+        h counts one pseudo-probe whose find is a prior: for greedy sequences half a find
+        (greedy text repeats itself once its context does: 80% of the small demo's greedy
+        answers loop, most only after a while, so a few probes near a request's start that
+        found nothing do not rule out a stretch that pays later); for sampled ones the chance
+        a probe keeps every draft under the class's batch-wide counts (sampling breaks loops:
+        where drafts are mostly lost, T = 1, it is near 0 and the cost-based spacing rules,
+        set at each full solve by `_probe_depth`). Where probes never find one, h settles near
+        the prior over 1 + 1 / (1 - probe_find_decay); `gain` is the finds' mean (the best probe round of each
         find's chain), or before any, the probes' mean upside (what they would have gained
         had every draft been kept). None until a probe's cost and a sequence's life are
-        measured: the cost-based spacing alone."""
-        f = self._finds
+        measured: the cost-based spacing alone. Per sampling class (greedy: True): what
+        greedy probes find says nothing of sampled ones."""
+        f = self._finds[greedy]
         if self._probe_extra is None or f.life is None or f.probes <= 0.0:
             return None
-        h = (f.finds + 0.5) / (f.probes + 1.0)
+        h = (f.finds + f.prior) / (f.probes + 1.0)  # (> 1 where solves turned on without probes)
+        if h <= 0.0:
+            return None
+        if h >= 1.0:  # every probe finds one: as often as probes may come
+            return 0.0
         gain = f.gain / f.finds if f.finds > 0.0 else f.upside / f.probes
         if gain <= 0.0:  # not even a kept probe would pay for its round
             return None
         return math.sqrt(2.0 * 0.5 * f.life * (1.0 - h) * self._probe_extra / (h * gain))
 
-    def _respace_probes(self) -> None:
-        """What probes found moved: the next probe is due `_value_gap` after the last one, if
-        that is sooner than planned (a gap set before the first measurement was a guess)."""
-        found = self._value_gap()
+    def _respace_probes(self, greedy: bool) -> None:
+        """What a class's probes found moved: the next probe is due its `_value_gap` after the
+        last one, if that is sooner than planned (a gap set before a measurement was a guess)."""
+        found = self._value_gap(greedy)
         if found is not None:
-            at = self._last_probe + max(self.config.min_probe_every, int(found))
+            at = self._last_probe + max(self.config.min_probe_every, int(found * self._jitter))
             if at < self._next_probe:
                 self._next_probe, self._calm_until = at, min(self._calm_until, at)
 
-    def _note_probe(self, gain: float, upside: float) -> None:
-        """A probe round while speculation was off gained `gain` plain-equivalent tokens over a
-        round without drafts (its drafter's catching up aside), and would have gained `upside`
-        had every draft been kept."""
-        f, d = self._finds, self.config.probe_find_decay
+    def _note_probe(self, greedy: bool, gain: float, upside: float) -> None:
+        """A probe round of the class's sequences while speculation was off gained `gain`
+        plain-equivalent tokens over a round without drafts (its drafter's catching up aside),
+        and would have gained `upside` had every draft been kept."""
+        f, d = self._finds[greedy], self.config.probe_find_decay
         f.probes, f.finds, f.gain, f.upside = (
             d * f.probes + 1.0,
             d * f.finds,
@@ -121,28 +148,30 @@ class Probing:
             d * f.upside + upside,
         )
         f.chain_gain = max(gain, f.chain_gain if self._chain else gain)  # a chain's best round
-        self._respace_probes()
+        self._respace_probes(greedy)
 
-    def _note_find(self) -> None:
-        """A solve turned speculation on after it was off: what the probes found."""
-        f = self._finds
+    def _note_find(self, greedy: bool) -> None:
+        """A solve turned speculation on after it was off, for a batch with the class's
+        sequences: what their probes found."""
+        f = self._finds[greedy]
         f.finds += 1.0
         f.gain += f.chain_gain if f.chain_gain > 0.0 else f.upside / max(f.probes, 1.0)
         f.chain_gain = 0.0
-        self._respace_probes()
+        self._respace_probes(greedy)
 
-    def _note_life(self, tokens: int) -> None:
-        """A finished sequence decoded `tokens` (rounds, where it was off): its life, for L."""
-        f = self._finds
+    def _note_life(self, greedy: bool, tokens: int) -> None:
+        """A finished sequence of the class decoded `tokens` (rounds, where it was off): its
+        life, for L."""
+        f = self._finds[greedy]
         f.life = float(tokens) if f.life is None else 0.9 * f.life + 0.1 * tokens
-        self._respace_probes()
 
 
 @dataclass
 class ProbeFinds:
     """What probes found (`Probing._value_gap`), decayed per probe: probe rounds while off,
     the finds among them, the finds' gain and the probes' upside; the mean life of finished
-    sequences in tokens (None: none yet); the best gain of a probe round in the current chain."""
+    sequences in tokens (None: none yet); the best gain of a probe round in the current chain;
+    the prior chance of a find."""
 
     probes: float = 0.0
     finds: float = 0.0
@@ -150,3 +179,4 @@ class ProbeFinds:
     upside: float = 0.0
     life: float | None = None
     chain_gain: float = 0.0
+    prior: float = 0.5  # a pseudo-probe's find (`_value_gap`)

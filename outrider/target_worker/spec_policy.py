@@ -33,6 +33,7 @@ batch's expected committed tokens per second is highest:
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -85,14 +86,17 @@ class SpeculationPolicy(Probing):
         self._solved_cap = 0  # the deepest per-sequence ceiling the last solve could choose
         self._lam = 0.0  # the last choice's rate (committed tokens a second)
         self._probe_interval, self._next_probe = self.config.probe_every, 0
-        self._last_probe = 0  # the round of the last probe
+        self._last_probe, self._jitter = 0, 1.0  # the round of the last probe, its spacing's jitter
+        self._rng = random.Random(0)
         self._chain = 0  # kept probes in a row since speculation was last on
         # Probe rounds while off: whether the planned round is one, and what a probe round
         # costs beyond a round without drafts (plain-equivalent tokens, as `check`; catching
         # the drafter up included: probes spaced wider catch up on more, so a drafter whose
         # catching up alone costs more than `probe_share` is probed at the widest spacing).
         self._probing, self._probe_extra = False, None  # None: not measured yet
-        self._finds = ProbeFinds()  # what probes found, for their spacing (`_value_gap`)
+        # What probes found, per sampling class, for their spacing (`_value_gap`).
+        self._finds = {True: ProbeFinds(), False: ProbeFinds()}
+        self._kinds: set[bool] = set()  # the sampling classes of the last `budgets` batch
         # The depth a probe drafts, per sampling class: the best for a sequence known only by
         # the batch-wide counts (`_probe_depths`), set at each full solve.
         self._probe_at = {True: 1, False: 1}
@@ -124,6 +128,7 @@ class SpeculationPolicy(Probing):
             return []
         if greedy is not None:
             self._greedy.update(zip(seq_ids, greedy, strict=True))
+        self._kinds = {self._greedy.get(s, True) for s in seq_ids}
         ceiling = [max(0, min(self.ceiling.max_depth, limit.max_depth)) for limit in limits]
         if self._solved is not None and max(ceiling) > self._solved_cap:
             # The last solve saw only sequences near their end, capped by the tokens they had
@@ -189,7 +194,8 @@ class SpeculationPolicy(Probing):
         measured_off = off[2] >= config.off_min_rounds and off[1] > 0 and not prefill_tokens
         if measured_off and self._solved is not None and self._solved[0] == 0 and any(o[1] for o in outcomes):
             plain = max(worth, 0.0) * off[0] / off[1]  # what an off round commits in its time
-            self._note_probe(committed - plain, sum(o[2] + 1 for o in outcomes) - plain)  # a probe while off
+            for kind in {self._greedy.get(o[0], True) for o in outcomes if o[1]}:  # a probe while off
+                self._note_probe(kind, committed - plain, sum(o[2] + 1 for o in outcomes) - plain)
         asked = drafted = 0
         self._tree_nodes *= config.global_decay
         self._tree_depths *= config.global_decay
@@ -318,7 +324,7 @@ class SpeculationPolicy(Probing):
     def forget(self, seq_id: int, tokens: int | None = None) -> None:
         """A sequence is done (`tokens`: what it decoded, when it finished) or aborted."""
         if tokens is not None:
-            self._note_life(tokens)
+            self._note_life(self._greedy.get(seq_id, True), tokens)
         self.seqs.pop(seq_id, None)
         self._greedy.pop(seq_id, None)
         self._gain_rows.pop(seq_id, None)
@@ -417,7 +423,8 @@ class SpeculationPolicy(Probing):
             # is checked again `resolve_every` rounds on. (At batch 1 a solve cost ~3% of an
             # 8 ms round: every 8 rounds, most of what the policy cost beyond fixed K.)
             if pick and self._solved is not None and self._solved[0] == 0:
-                self._note_find()
+                for kind in self._kinds:
+                    self._note_find(kind)
             same = self._solved is not None and pick == self._solved[0]
             self._solve_interval = (
                 min(2 * self._solve_interval, self.config.max_resolve_every)
