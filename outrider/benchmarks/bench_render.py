@@ -129,8 +129,8 @@ def markdown(report: dict, plots: list[str]) -> str:
         f"token-identical to plain greedy decoding. Full run: {meta['duration_s'] / 60:.1f} minutes "
         f"({', '.join(f'{k} {v:.0f}' for k, v in meta['phases_s'].items())})."
         + (
-            " The full preset's prompt counts, repeats and lengths take about 30-35 minutes "
-            "of wall time on a 2-core machine shared with other work; more prompts narrow the spread."
+            " The full preset's prompt counts, repeats and lengths took 20-36 minutes "
+            "of wall time on the 2-core machines measured (shared with other work); more prompts narrow the spread."
             if meta.get("preset") == "full"
             else ""
         ),

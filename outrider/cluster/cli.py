@@ -189,7 +189,7 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
         "the Ray Serve app over HTTP at several concurrencies (speculation off, co-located, disaggregated). "
         "Writes a JSON report (schema: --schema, benchmarks/README.md), a Markdown report and PNG plots "
         "beside it. --quick: the tiny family, every path, under 3 minutes; the default full run on the "
-        "small family takes about 30-35 minutes on 2 shared CPU cores.",
+        "small family took 20-36 minutes on the 2-core machines measured.",
     )
     add_bench_arguments(bench)
     bench.set_defaults(func=cli_main)
