@@ -415,7 +415,7 @@ class Engine:
     def _retire(self, finished: list[Sequence], updates: list[SequenceUpdate]) -> None:
         """Sends `updates` and tells the drafter (and the policy) the finished sequences."""
         for seq in finished:
-            self.policy.forget(seq.seq_id, len(seq.tokens) - seq.num_prompt)
+            self.policy.forget(seq.seq_id, len(seq.tokens) - seq.num_prompt, seq.params.temperature == 0)
         updates += [self._delta(s, _FINISHED_BUDGET, None, finished=True) for s in finished if s.num_sent]
         if updates:
             self.drafts.submit(updates)

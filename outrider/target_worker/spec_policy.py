@@ -321,10 +321,11 @@ class SpeculationPolicy(Probing):
             outcomes, tokens, round_s, max(budgets, default=0), draft_wait_s, plan.num_prefill_tokens, nodes
         )
 
-    def forget(self, seq_id: int, tokens: int | None = None) -> None:
-        """A sequence is done (`tokens`: what it decoded, when it finished) or aborted."""
+    def forget(self, seq_id: int, tokens: int | None = None, greedy: bool = True) -> None:
+        """A sequence is done (`tokens`: what it decoded, when it finished; `greedy`: its
+        sampling class, which `budgets` never learnt where every round was `quiet`) or aborted."""
         if tokens is not None:
-            self._note_life(self._greedy.get(seq_id, True), tokens)
+            self._note_life(greedy, tokens)
         self.seqs.pop(seq_id, None)
         self._greedy.pop(seq_id, None)
         self._gain_rows.pop(seq_id, None)

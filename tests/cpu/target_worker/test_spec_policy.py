@@ -556,13 +556,14 @@ def test_what_greedy_probes_find_does_not_space_sampled_ones():
     policy = SpeculationPolicy(CEILING, PolicyConfig())
     policy._probe_extra = 1.0
     policy.budgets([0, 1], [CEILING, CEILING], 0, greedy=[True, False])
-    policy.forget(0, tokens=128)
-    policy.forget(1, tokens=128)
+    policy.forget(0, tokens=128)  # greedy
     for _ in range(4):
         policy._note_probe(True, 2.0, 3.0)
         policy._note_find(True)
     assert policy._value_gap(True) is not None
     assert policy._value_gap(False) is None  # no sampled probe measured: the cost-based spacing
+    policy.forget(1, tokens=96, greedy=False)
+    assert policy._finds[False].life == 96 and policy._finds[True].life == 128  # lives kept apart
 
 
 def test_finds_without_probes_mean_probing_as_often_as_allowed():
