@@ -46,7 +46,7 @@ class RoundFeatures:
 
     __slots__ = ("layers", "_joined")
 
-    def __init__(self, layers: list[torch.Tensor]):
+    def __init__(self, layers: tuple[torch.Tensor, ...]):
         self.layers, self._joined = layers, None
 
     def joined(self) -> torch.Tensor:
@@ -63,7 +63,7 @@ def gather_features(out: ForwardOutput, features: FeatureSpec, num_layers: int) 
     drafter's fc itself (`draft_source.project_features`) before the features leave.
     """
     return RoundFeatures(
-        [out.final_hidden if i == num_layers else out.layer_inputs[i] for i in features.layer_ids]
+        tuple(out.final_hidden if i == num_layers else out.layer_inputs[i] for i in features.layer_ids)
     )
 
 
@@ -84,21 +84,27 @@ def verified_rows(
 
 
 # Held rows entries a sequence keeps before joining them (a cap on the list, and on the work
-# of its next send; the memory views keep alive is bounded by `keep_features`' half rule).
-MAX_HELD_TENSORS = 64
+# of its next send: joining 1024 entries is ~1 ms here; the memory views keep alive is bounded
+# by `keep_features`' half rule). A join copies what is held, so it is rare: at 64, a
+# sequence the policy held back for ~600 rounds spent ~6 us a round re-joining its rows.
+MAX_HELD_TENSORS = 1024
 
 
 def keep_features(seq: Sequence, features: RoundFeatures, rows: slice | list[int]) -> None:
     """Holds the round's `rows` of `features` for the sequence's next update.
 
-    Views of each layer when the rows are at least half the round's (a batch-1 decode: no
-    copy, no join), else a copy of the joined rows, so a held sequence does not keep a big
-    round's tensors alive (what views hold is at most twice the sequence's own rows). Past
-    MAX_HELD_TENSORS the held rows are joined into one tensor (a copy).
+    The round's layers themselves when the rows are all of them (a batch-1 decode: no torch
+    op at all, in the rounds a sequence held back by the policy spends most of its life in);
+    views of each layer when the rows are at least half the round's; else a copy of the
+    joined rows, so a held sequence does not keep a big round's tensors alive (what views
+    hold is at most twice the sequence's own rows). Past MAX_HELD_TENSORS the held rows are
+    joined into one tensor (a copy).
     """
     layers = features.layers
     if rows.__class__ is not slice:
         kept = features.joined()[rows]  # a list index copies
+    elif rows.start == 0 and rows.stop == layers[0].shape[0]:
+        kept = layers if len(layers) > 1 else layers[0]
     elif 2 * (rows.stop - rows.start) >= layers[0].shape[0]:
         kept = layers[0][rows] if len(layers) == 1 else tuple(layer[rows] for layer in layers)
     else:
@@ -108,15 +114,33 @@ def keep_features(seq: Sequence, features: RoundFeatures, rows: slice | list[int
         held.append(layers[0].new_zeros(1, sum(layer.shape[1] for layer in layers)))
     held.append(kept)
     if len(held) > MAX_HELD_TENSORS:
-        seq.unsent_features = [torch.cat([_joined(rows) for rows in held])]
+        seq.unsent_features = [_join_held(held)]
 
 
-def _joined(rows: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
-    return torch.cat(rows, dim=-1) if isinstance(rows, tuple) else rows
+def _join_held(held: list[torch.Tensor | tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """The held rows as one [n, width] tensor: runs of per-layer views are joined layer by
+    layer (one cat per layer, not one per round), then the pieces in order."""
+    pieces, run = [], []
+    for rows in held:
+        if isinstance(rows, tuple):
+            run.append(rows)
+            continue
+        if run:
+            pieces.append(_join_run(run))
+            run = []
+        pieces.append(rows)
+    if run:
+        pieces.append(_join_run(run))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _join_run(run: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    return torch.cat(
+        [torch.cat(layer) if len(layer) > 1 else layer[0] for layer in zip(*run, strict=True)], dim=-1
+    )
 
 
 def features_to_send(seq: Sequence, features: FeatureSpec) -> torch.Tensor:
     """The rows a sequence holds, as one [n, width] tensor in the drafter's dtype (a copy)."""
-    held = [_joined(rows) for rows in seq.unsent_features]
-    joined = torch.cat(held) if len(held) > 1 else held[0]
+    joined = _join_held(seq.unsent_features)
     return joined.to(getattr(torch, features.dtype), copy=True)

@@ -102,22 +102,27 @@ class Probing:
         to be found, so a round loses h gain g / (2 L) + (1 - h) extra / g, least at
         g = sqrt(2 L (1 - h) extra / (h gain)).
 
-        h counts one pseudo-probe whose find is a prior: for greedy sequences half a find
+        h counts a pseudo-probe whose find is a prior: for greedy sequences half a find
         (greedy text repeats itself once its context does: 80% of the small demo's greedy
         answers loop, most only after a while, so a few probes near a request's start that
         found nothing do not rule out a stretch that pays later); for sampled ones the chance
         a probe keeps every draft under the class's batch-wide counts (sampling breaks loops:
         where drafts are mostly lost, T = 1, it is near 0 and the cost-based spacing rules,
-        set at each full solve by `_probe_depth`). Where probes never find one, h settles near
-        the prior over 1 + 1 / (1 - probe_find_decay); `gain` is the finds' mean (the best probe round of each
-        find's chain), or before any, the probes' mean upside (what they would have gained
-        had every draft been kept). None until a probe's cost and a sequence's life are
-        measured: the cost-based spacing alone. Per sampling class (greedy: True): what
-        greedy probes find says nothing of sampled ones."""
+        set at each full solve by `_probe_depth`). The pseudo-probe is evidence like the
+        others: its weight decays by `probe_find_decay` per probe, so where probes never find
+        one, h falls toward 0 and the cost-based spacing takes over (an EAGLE head at T = 0
+        on the small demo: its drafts did not pay even in loops, and probes spaced by the
+        prior's hope, ~100 rounds apart with a catch-up of the head on each, cost ~5% of the
+        time). `gain` is the finds' mean (the best probe round of each find's chain), or before
+        any, the probes' mean upside (what they would have gained had every draft been kept).
+        None until a probe's cost and a sequence's life are measured: the cost-based spacing
+        alone. Per sampling class (greedy: True): what greedy probes find says nothing of
+        sampled ones."""
         f = self._finds[greedy]
         if self._probe_extra is None or f.life is None or f.probes <= 0.0:
             return None
-        h = (f.finds + f.prior) / (f.probes + 1.0)  # (> 1 where solves turned on without probes)
+        # (h > 1 where solves turned on without probes)
+        h = (f.finds + f.prior * f.prior_weight) / (f.probes + f.prior_weight)
         if h <= 0.0:
             return None
         if h >= 1.0:  # every probe finds one: as often as probes may come
@@ -141,11 +146,12 @@ class Probing:
         plain-equivalent tokens over a round without drafts (its drafter's catching up aside),
         and would have gained `upside` had every draft been kept."""
         f, d = self._finds[greedy], self.config.probe_find_decay
-        f.probes, f.finds, f.gain, f.upside = (
+        f.probes, f.finds, f.gain, f.upside, f.prior_weight = (
             d * f.probes + 1.0,
             d * f.finds,
             d * f.gain,
             d * f.upside + upside,
+            d * f.prior_weight,
         )
         f.chain_gain = max(gain, f.chain_gain if self._chain else gain)  # a chain's best round
         self._respace_probes(greedy)
@@ -171,7 +177,7 @@ class ProbeFinds:
     """What probes found (`Probing._value_gap`), decayed per probe: probe rounds while off,
     the finds among them, the finds' gain and the probes' upside; the mean life of finished
     sequences in tokens (None: none yet); the best gain of a probe round in the current chain;
-    the prior chance of a find."""
+    the prior chance of a find, and the weight of that pseudo-probe (decayed with the others)."""
 
     probes: float = 0.0
     finds: float = 0.0
@@ -180,3 +186,4 @@ class ProbeFinds:
     life: float | None = None
     chain_gain: float = 0.0
     prior: float = 0.5  # a pseudo-probe's find (`_value_gap`)
+    prior_weight: float = 1.0

@@ -508,7 +508,8 @@ def test_probes_are_spaced_by_what_they_find_as_well_as_by_what_they_cost():
             policy._note_probe(True, gain, 2.0)
         policy._note_find(True)
     f = policy._finds[True]
-    h = (f.finds + 0.5) / (f.probes + 1.0)
+    h = (f.finds + 0.5 * f.prior_weight) / (f.probes + f.prior_weight)
+    assert f.prior_weight < 1e-4  # 212 probes on: the prior has all but faded
     expected = (2 * 0.5 * f.life * (1 - h) * 2.0 / (h * f.gain / f.finds)) ** 0.5
     assert abs(f.gain / f.finds - 1.5) < 1e-9
     assert abs(policy._value_gap(True) - expected) < 1e-9
@@ -574,3 +575,21 @@ def test_finds_without_probes_mean_probing_as_often_as_allowed():
     for _ in range(3):  # solves that turned speculation on with no probe between them
         policy._note_find(True)
     assert policy._value_gap(True) == 0.0
+
+
+def test_the_greedy_prior_fades_where_probes_never_find_a_stretch_that_pays():
+    """Half a find per pseudo-probe is a hope, weighed like the probes it is set against: a
+    drafter whose kept probes would pay but never turn speculation on (an EAGLE head at T = 0
+    whose drafts did not pay even in loops) is probed, after a while, no more often than
+    `probe_share` allows, not ~100 rounds apart forever."""
+    policy = SpeculationPolicy(CEILING, PolicyConfig())
+    policy._probe_extra = 5.0  # a head's probe: its catch-up on the rounds since the last
+    policy.forget(0, tokens=128)
+    cost_spacing = policy._probe_extra / policy.config.probe_share
+    gaps = []
+    for _ in range(80):
+        policy._note_probe(True, -4.0, 2.8)  # a kept probe would gain 2.8; none is kept enough
+        gaps.append(policy._value_gap(True))
+    assert gaps[4] < cost_spacing / 4  # early: the prior's hope spaces them
+    assert gaps[-1] > cost_spacing  # later: evidence rules, the cost-based spacing takes over
+    assert all(a <= b for a, b in zip(gaps, gaps[1:], strict=False))
