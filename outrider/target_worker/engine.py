@@ -24,7 +24,9 @@ gets its turn in two half-size forwards instead of one forward plus the drafting
 batch. Whether that pays depends on how long drafting takes next to verifying, so by default
 the engine measures both modes as it runs and uses the faster (`target_worker.lanes.LaneTuner`).
 One decoding sequence has nothing to overlap with, and in-process drafting runs inside
-`collect`, so both keep one lane (the speculation cache is what hides the drafter at batch 1).
+`collect`, so both keep one lane (the speculation cache is what hides the drafter at batch 1);
+so does a step where the policy asked no sequence to draft (speculation off: two half-batch
+forwards would only cost more), and such steps say nothing to the lane tuner.
 
 A sequence without a tree (speculation off, no tree by the deadline, a bad tree) is verified
 with a root-only tree: plain decoding of one token through the same code path. The KV cache
@@ -266,8 +268,8 @@ class Engine:
         if self.lane_tuner is not None:
             self.lanes = self.lane_tuner.mode
         decoding = [s for s in self.running if not s.prefilling]
-        ready = decoding
-        if self.lanes == 2:
+        ready, drafting = decoding, any(s.asked for s in decoding)
+        if self.lanes == 2 and drafting:  # (no drafts anywhere: nothing to overlap, one forward)
             ready, self._turn = lane_to_verify(decoding, self._turn)
         # 1. Draft: trees for the sequences the policy asked to draft; the others, and missing
         #    or bad trees, become root-only.
@@ -321,7 +323,7 @@ class Engine:
         submitting = time.perf_counter()
         self._submit_deltas(plan.verified, finished)
         self._submit_s = time.perf_counter() - submitting
-        if self.lane_tuner is not None and len(decoding) > 1 and not plan.num_prefill_tokens:
+        if self.lane_tuner is not None and len(decoding) > 1 and drafting and not plan.num_prefill_tokens:
             self.lane_tuner.record(sum(len(o.new_token_ids) for o in outputs), time.perf_counter() - started)
         return outputs
 

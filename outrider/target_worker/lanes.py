@@ -13,9 +13,10 @@ then the faster one for a long stretch, then the other again for a trial (condit
 drift: batch size, context length, a busier draft worker), always keeping each mode's
 latest tokens per second of engine time. Each trial that confirms the faster mode doubles
 the stretch before the next one (up to `max_exploit_steps`), so a stable answer costs ever
-fewer steps in the slower mode; a trial that overturns it starts again from `exploit_steps`. Steps that say nothing about the choice (a
-prefill in the batch, fewer than two decoding sequences, where both modes are the same)
-are not counted.
+fewer steps in the slower mode; a trial that overturns it starts again from
+`exploit_steps`. Steps that say nothing about the choice (a prefill in the batch, fewer
+than two decoding sequences, where both modes are the same; no sequence drafting, where
+the engine verifies the whole batch in one forward whatever the mode) are not counted.
 """
 
 from __future__ import annotations

@@ -227,6 +227,37 @@ def test_by_default_the_engine_measures_one_lane_against_two(runner, prompts, pl
     assert not engine.blocks.tables and engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+def test_with_no_sequence_drafting_one_forward_verifies_the_whole_batch(runner, prompts, plain, tiny_family):
+    """Two lanes hide a remote drafter's time; where the policy asked no sequence to draft
+    (speculation off) there is nothing to hide, and two half-batch forwards would only cost
+    more: every decoding sequence is verified each step, and the lane tuner counts nothing."""
+    source = OverlappingSource(proposer_for("ngram", runner.model.vocab_size, tiny_family))
+    engine = Engine(
+        runner, source, eos_token_id=None, max_batch=4, max_prefill_tokens=24, budget_policy="adaptive"
+    )
+    assert engine.lanes == 2 and engine.lane_tuner is not None
+    policy = engine.policy
+
+    def off(num_seqs: int) -> bool:  # the policy keeps speculation off for every sequence
+        policy._quiet = True
+        return True
+
+    policy.quiet = off
+    ids = [engine.add_request(p, RequestParams(max_tokens=MAX_TOKENS)) for p in prompts]
+    tokens = {i: [] for i in ids}
+    full_steps = 0
+    while engine.has_unfinished():
+        decoding = {s.seq_id for s in engine.running if not s.prefilling}
+        outputs = engine.step()
+        assert decoding <= {o.request_id for o in outputs}  # none waits for its lane's turn
+        full_steps += len(decoding) == 4
+        for o in outputs:
+            tokens[o.request_id] += o.new_token_ids
+    assert [tokens[i] for i in ids] == plain
+    assert full_steps > 0 and source.collected == []
+    assert engine.lane_tuner.steps == {1: 0, 2: 0}
+
+
 def test_the_lane_tuner_keeps_the_faster_mode_and_checks_the_other_now_and_then():
     """Trials of both modes, then the faster one for stretches that double while trials of
     the other confirm it; a trial that finds the other faster switches and starts over."""
