@@ -86,12 +86,7 @@ class Probing:
         c, e, g = self.draft_cost.coefficients()
         seconds = sequence_seconds([row], b, ask, overhead, g)[0]
         rates = [row[0][k] / max(base_s + seconds[k] + c + e * k, 1e-9) for k in range(1, len(seconds))]
-        depth = 1 + max(range(len(rates)), key=rates.__getitem__) if rates else 1
-        if not greedy:  # the chance such a probe keeps every draft: sampled text's prior of a find
-            self._finds[greedy].prior = (
-                max(0.0, min(1.0, row[0][depth] - row[0][depth - 1])) if rates else 0.0
-            )
-        return depth
+        return 1 + max(range(len(rates)), key=rates.__getitem__) if rates else 1
 
     def _value_gap(self, greedy: bool) -> float | None:
         """The probe spacing that loses least, counting what probes find: a share h of them
@@ -105,10 +100,11 @@ class Probing:
         h counts a pseudo-probe whose find is a prior: for greedy sequences half a find
         (greedy text repeats itself once its context does: 80% of the small demo's greedy
         answers loop, most only after a while, so a few probes near a request's start that
-        found nothing do not rule out a stretch that pays later); for sampled ones the chance
-        a probe keeps every draft under the class's batch-wide counts (sampling breaks loops:
-        where drafts are mostly lost, T = 1, it is near 0 and the cost-based spacing rules,
-        set at each full solve by `_probe_depth`). The pseudo-probe is evidence like the
+        found nothing do not rule out a stretch that pays later); for sampled ones none
+        (sampling breaks loops: there is no stretch to expect before one is found, and the
+        cost-based spacing rules until then; with the chance a probe keeps every draft as
+        the prior, medusa at T = 1, whose single drafts are often kept but never pay, was
+        probed ~100 rounds apart instead of ~250: 2.2% of the time). The pseudo-probe is evidence like the
         others: its weight decays by `probe_find_decay` per probe, so where probes never find
         one, h falls toward 0 and the cost-based spacing takes over (an EAGLE head at T = 0
         on the small demo: its drafts did not pay even in loops, and probes spaced by the
@@ -185,5 +181,5 @@ class ProbeFinds:
     upside: float = 0.0
     life: float | None = None
     chain_gain: float = 0.0
-    prior: float = 0.5  # a pseudo-probe's find (`_value_gap`)
+    prior: float = 0.5  # a pseudo-probe's find (`_value_gap`): greedy 0.5, sampled 0
     prior_weight: float = 1.0

@@ -94,8 +94,9 @@ class SpeculationPolicy(Probing):
         # the drafter up included: probes spaced wider catch up on more, so a drafter whose
         # catching up alone costs more than `probe_share` is probed at the widest spacing).
         self._probing, self._probe_extra = False, None  # None: not measured yet
-        # What probes found, per sampling class, for their spacing (`_value_gap`).
-        self._finds = {True: ProbeFinds(), False: ProbeFinds()}
+        # What probes found, per sampling class, for their spacing (`_value_gap`); the prior
+        # find of a greedy probe is half a find, of a sampled one none.
+        self._finds = {True: ProbeFinds(prior=0.5), False: ProbeFinds(prior=0.0)}
         self._kinds: set[bool] = set()  # the sampling classes of the last `budgets` batch
         # The depth a probe drafts, per sampling class: the best for a sequence known only by
         # the batch-wide counts (`_probe_depths`), set at each full solve.
