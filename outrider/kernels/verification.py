@@ -29,6 +29,7 @@ import torch
 
 from outrider.kernels.backend import Backend, use_triton
 from outrider.kernels.packing import PackedTrees
+from outrider.kernels.verification_host import HOST_MAX_BATCH, walk_host
 from outrider.proto.tree import DraftSampling
 
 _DETERMINISTIC = int(DraftSampling.DETERMINISTIC)
@@ -116,8 +117,8 @@ def verify(
         from outrider.kernels.verification_triton import verify_triton
 
         out = verify_triton(trees, target_probs, is_greedy, randoms)
-    elif target_probs.device.type == "cpu" and bool(is_greedy.all()):
-        return verify_greedy_host(trees, target_probs)
+    elif target_probs.device.type == "cpu" and (bool(is_greedy.all()) or trees.batch_size <= HOST_MAX_BATCH):
+        out = verify_host(trees, target_probs, is_greedy, randoms)
     else:
         out = verify_reference(trees, target_probs, is_greedy, randoms)
     # Root-only trees of sampled sequences beside drafted ones: their token by inverse CDF with
@@ -239,36 +240,32 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return drawn.clamp_(max=probs.shape[-1] - 1)
 
 
-def verify_greedy_host(trees: PackedTrees, target_probs: torch.Tensor) -> VerifyOutput:
-    """The all-greedy batch on the CPU: one linear scan per tree, in Python over plain lists.
-
-    Same result as `verify_reference` for greedy rows: from the root, the first child (in
-    node order) whose token is the target's argmax at its parent is accepted, then its
-    children are tried. Parents precede children, so one pass over the nodes in order finds
-    the path. Per round this is a few microseconds per node where the vectorised walk pays
-    tens of tensor ops per tree level: at batch 1 on the 2-core CPU, ~0.1 ms instead of ~1.4.
-    """
-    argmax = target_probs.argmax(-1).tolist()
-    cu = trees.cu_num_draft_tokens.tolist()
-    parents, tokens = trees.parents.tolist(), trees.token_ids.tolist()
-    batch, n = len(cu) - 1, trees.max_num_nodes
-    accepted = [[-1] * max(n - 1, 0) for _ in range(batch)]
-    output = [[-1] * n for _ in range(batch)]
-    num_accepted = [0] * batch
-    for b in range(batch):
-        start, end = cu[b], cu[b + 1]
-        node, want, row, out = 0, argmax[start], accepted[b], output[b]
-        for i in range(1, end - start):
-            if parents[start + i] == node and tokens[start + i] == want:
-                row[num_accepted[b]], out[num_accepted[b]] = i, want
-                num_accepted[b] += 1
-                node, want = i, argmax[start + i]
-        out[num_accepted[b]] = want  # the bonus token: the target's argmax after the path
-    count = torch.tensor(num_accepted, dtype=torch.int64)
+def verify_host(
+    trees: PackedTrees, target_probs: torch.Tensor, is_greedy: torch.Tensor, randoms: VerifyRandoms
+) -> VerifyOutput:
+    """CPU batches of a few trees (or all-greedy ones): each tree walked in Python
+    (`verification_host`); the reference's result, with the same randoms."""
+    greedy = is_greedy.tolist()
+    sampled = not all(greedy)
+    paths, finals = walk_host(
+        trees,
+        target_probs,
+        greedy,
+        randoms.uniforms.tolist() if sampled else None,
+        randoms.exponentials if sampled else None,
+    )
+    batch, n = len(paths), trees.max_num_nodes
+    tokens = trees.token_ids.tolist()
+    starts = trees.cu_num_draft_tokens.tolist()
+    accepted = [path + [-1] * (n - 1 - len(path)) for path in paths]
+    output = [
+        [tokens[start + i] for i in path] + [final] + [-1] * (n - 1 - len(path))
+        for start, path, final in zip(starts, paths, finals, strict=False)
+    ]
     return VerifyOutput(
         torch.tensor(accepted, dtype=torch.int64).view(batch, max(n - 1, 0)),
         torch.tensor(output, dtype=torch.int64).view(batch, n),
-        count + 1,
+        torch.tensor([len(path) + 1 for path in paths], dtype=torch.int64),
     )
 
 

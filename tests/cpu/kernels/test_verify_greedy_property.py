@@ -44,7 +44,7 @@ def test_greedy_tree_verification_equals_greedy_decoding(seed: int, batch: int, 
 def test_greedy_host_scan_equals_the_vectorised_walk(seed: int, batch: int, max_nodes: int) -> None:
     """The all-greedy CPU fast path returns exactly the reference walk's tensors, duplicate
     sibling tokens (the first in node order wins) and root-only trees included."""
-    from outrider.kernels.verification import draw_verify_randoms, verify_greedy_host, verify_reference
+    from outrider.kernels.verification import draw_verify_randoms, verify_host, verify_reference
 
     gen = torch.Generator().manual_seed(seed)
     next_logits = torch.randn(VOCAB // 3, VOCAB, generator=gen).repeat(3, 1)  # ties between tokens
@@ -52,7 +52,7 @@ def test_greedy_host_scan_equals_the_vectorised_walk(seed: int, batch: int, max_
     probs = next_logits[trees.token_ids].softmax(-1)
     greedy = torch.ones(batch, dtype=torch.bool)
     randoms = draw_verify_randoms(trees.cu_num_draft_tokens, VOCAB, gen)
-    fast, slow = verify_greedy_host(trees, probs), verify_reference(trees, probs, greedy, randoms)
+    fast, slow = verify_host(trees, probs, greedy, randoms), verify_reference(trees, probs, greedy, randoms)
     assert torch.equal(fast.accepted_node_ids, slow.accepted_node_ids)
     assert torch.equal(fast.output_token_ids, slow.output_token_ids)
     assert torch.equal(fast.num_output_tokens, slow.num_output_tokens)
