@@ -3,20 +3,23 @@
     python -m outrider.benchmarks.bench_http_sweep --size small     # benchmarks/results/http_sweep_small.md
     python -m outrider.benchmarks.bench_http_sweep --size tiny --concurrency 1,4 --ks 2 --methods ngram
 
-One local Ray and two Serve applications up at a time (`cluster.app:build_app`, the server
-users run): `off` (speculation off; up for the whole run) and the configuration under test,
-one after another: each method in `--methods`, each placement (`colocated`: the drafter in
-the target replica's process; `disaggregated`: a draft deployment reached over gRPC), each
-budget (`adaptive`, the speculation policy with ceiling max(ks); `K<k>`, every sequence
-drafts k tokens every round, vLLM's behaviour). At every temperature and concurrency c the
-two applications answer n = max(requests, 2c) streamed `/v1/completions` each, from c client
-threads (held-out `mid` prompts as token ids; seeded at T = 1), in two halves run A B B A
-(which application goes first alternates): on this 2-core machine one application's
-throughput drifts by up to 30% from one level to the next (the proxy, ingress and replica
-share the cores), and the mirrored order cancels drift that is linear in time. A
-configuration's speedup is its output token throughput (over both its halves) over off's
-measured beside it. Each application first answers 4 unmeasured requests (lazy
-initialisation, and the policy's warm-up rounds: a long-running server has had them).
+One local Ray; `off` (speculation off) is up for the whole run, and for each method in
+`--methods` and placement (`colocated`: the drafter in the target replica's process;
+`disaggregated`: a draft deployment reached over gRPC) every budget's application is up at
+once beside it: `adaptive` (the speculation policy, ceiling max(ks)) and `K<k>` (every
+sequence drafts k tokens every round, vLLM's behaviour). At every temperature and
+concurrency c each application answers n = max(requests, halves * c) streamed
+`/v1/completions` (c client threads; held-out `mid` prompts as token ids, seeded at T = 1)
+in `halves` blocks, in rotation, the order mirrored every other round (off A B C C B A off
+off A ...). On this 2-core machine throughput drifts by several percent within a minute (the
+proxy, ingress and load generator share a core), so every budget is measured inside the
+same stretch of time as off and as the others; a speedup is a configuration's output token
+throughput (over all its blocks) over off's in the same rotation. The target replica being
+measured runs on the last core, alone, and everything else on the others (`--no-pin` to let
+them move):
+unpinned, one application drifted by up to 10% from one deployment to the next. Each
+application first answers 4 unmeasured requests (lazy initialisation, and the policy's
+warm-up rounds: a long-running server has had them).
 
 Figures carry vLLM's names (its benchmark_serving): output token throughput (completion
 tokens / the level's wall time), TTFT, TPOT ((latency - TTFT) / (tokens - 1)), ITL (gaps
@@ -32,18 +35,12 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from outrider.benchmarks.bench_serving import app_args, start_local_ray
+from outrider.benchmarks.bench_serving import app_args, pin_target_replicas, start_local_ray, unpin
 from outrider.benchmarks.loadgen import LoadGenerator, percentile
 from outrider.benchmarks.report import add_run_arguments, write_run_report
 
 PLACEMENTS = ("colocated", "disaggregated")
 OFF = "off"
-
-
-def configurations(methods: list[str], placements: list[str], ks: list[int]) -> list[tuple[str, str, str]]:
-    """(method, placement, budget) for every configuration under test."""
-    budgets = ["adaptive", *(f"K{k}" for k in ks)]
-    return [(m, p, b) for m in methods for p in placements for b in budgets]
 
 
 def speculative_config(method: str, budget: str, ks: list[int]) -> dict:
@@ -114,13 +111,16 @@ def run_level(base: str, model: str, prompts: list[tuple[int, ...]], concurrency
     return level_figures([block])
 
 
-def paired_levels(pair: list[tuple[str, str]], halves: int, **level) -> dict[str, dict]:
-    """Each application of `pair` in `halves` blocks of level["requests"] // halves requests, in
-    mirrored order (A B B A): {who: its figures over its blocks}."""
+def rotated_levels(apps: list[tuple[str, str]], halves: int, pin: bool = False, **level) -> dict[str, dict]:
+    """Each of `apps` in `halves` blocks of level["requests"] // halves requests, the order
+    mirrored every other round (A B C C B A A B C ...): {who: its figures over its blocks}.
+    `pin`: before its block, an application's target replicas get the last core alone."""
     size = level.pop("requests") // halves
-    blocks: dict[str, list] = {who: [] for who, _ in pair}
+    blocks: dict[str, list] = {who: [] for who, _ in apps}
     for half in range(halves):
-        for who, url in pair if half % 2 == 0 else pair[::-1]:
+        for who, url in apps if half % 2 == 0 else apps[::-1]:
+            if pin:
+                pin_target_replicas(url.rsplit("/", 1)[1])
             blocks[who].append(run_block(url, requests=size, first=half * size, **level))
     return {who: level_figures(runs) for who, runs in blocks.items()}
 
@@ -181,26 +181,27 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
         run_level(base, name, prompts, 2, 4, 0.0, min(32, args.max_tokens))
         return base
 
-    port = start_local_ray()
+    port = start_local_ray(pin=args.pin)
     rows: list[dict] = []
+    budgets = ["adaptive", *(f"K{k}" for k in args.ks)]
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         off = deploy(OFF, None, "")
-        for index, (method, placement, budget) in enumerate(
-            configurations(args.methods, args.placements, args.ks)
-        ):
-            label = f"{method}-{placement}-{budget}"
+        for index, (method, placement) in enumerate((m, p) for m in args.methods for p in args.placements):
             started = time.perf_counter()
-            base = deploy(label, speculative_config(method, budget, args.ks), placement)
-            log(f"[{index + 1}] {label} up in {time.perf_counter() - started:.0f} s")
+            apps = [(OFF, off)]
+            for budget in budgets:
+                label = f"{method}-{placement}-{budget}"
+                apps.append((budget, deploy(label, speculative_config(method, budget, args.ks), placement)))
+            log(f"[{index + 1}] {method} {placement}: {len(budgets)} applications up in "
+                f"{time.perf_counter() - started:.0f} s")  # fmt: skip
             for j, (temperature, concurrency) in enumerate(levels):
-                n = max(args.requests, 2 * concurrency) // args.halves * args.halves
-                pair = [(OFF, off), (budget, base)]
-                if (index + j) % 2:
-                    pair.reverse()
-                measured = paired_levels(
-                    pair,
+                n = max(args.requests, args.halves * concurrency) // args.halves * args.halves
+                order = apps[::-1] if (index + j) % 2 else apps
+                measured = rotated_levels(
+                    order,
                     args.halves,
+                    pin=args.pin,
                     model=name,
                     prompts=prompts,
                     concurrency=concurrency,
@@ -209,26 +210,30 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
                     max_tokens=args.max_tokens,
                     ignore_eos=args.ignore_eos,
                 )
-                ratio = measured[budget]["output_tok_s"] / measured[OFF]["output_tok_s"]
                 common = {"temperature": temperature, "concurrency": concurrency, "requests": n}
                 rows.append({"method": OFF, "placement": "—", "budget": "—", **common, **measured[OFF]})
-                rows.append(
-                    {
-                        "method": method,
-                        "placement": placement,
-                        "budget": budget,
-                        **common,
-                        **measured[budget],
-                        "speedup_vs_off": ratio,
-                    }
-                )
+                base_tok_s = measured[OFF]["output_tok_s"]
+                for budget in budgets:
+                    rows.append(
+                        {
+                            "method": method,
+                            "placement": placement,
+                            "budget": budget,
+                            **common,
+                            **measured[budget],
+                            "speedup_vs_off": measured[budget]["output_tok_s"] / base_tok_s,
+                        }
+                    )
                 log(
-                    f"    T={temperature:g} c={concurrency}: {ratio:.2f}x off ({measured[budget]['output_tok_s']:.0f} tok/s)"
+                    f"    T={temperature:g} c={concurrency}: off {base_tok_s:.0f} tok/s; "
+                    + ", ".join(f"{b} {measured[b]['output_tok_s'] / base_tok_s:.2f}x" for b in budgets)
                 )
-            serve.delete(label)
+            for budget in budgets:
+                serve.delete(f"{method}-{placement}-{budget}")
     finally:
         serve.shutdown()
         ray.shutdown()
+        unpin()
     return rows
 
 
@@ -277,8 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--halves",
         type=int,
-        default=2,
-        help="blocks each application's requests run in, in mirrored order (A B B A); 1: one block each",
+        default=4,
+        help="blocks each application's requests run in, in rotation, mirrored every other round "
+        "(A B C C B A ...); 1: one block each",
     )
     parser.add_argument("--prompts", type=int, default=32, help="distinct held-out prompts")
     parser.add_argument(
@@ -286,6 +292,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="every answer runs to --max-tokens (as vLLM's benchmark): at T = 1 answers that stop "
         "at EOS at different lengths in the two applications weigh each request's TTFT differently",
+    )
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="leave every process free to move between cores (by default the target replicas run "
+        "on the last core, alone, and everything else on the others: see bench_serving.pin_target_replicas)",
     )
     args = parser.parse_args(argv)
     if args.halves < 1:

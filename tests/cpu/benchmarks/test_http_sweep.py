@@ -1,11 +1,9 @@
 """The HTTP sweep's bookkeeping (the sweep itself needs a served family: run it by hand)."""
 
-from outrider.benchmarks.bench_http_sweep import configurations, speculative_config, summary
+from outrider.benchmarks.bench_http_sweep import speculative_config, summary
 
 
-def test_every_method_placement_and_budget_is_a_configuration():
-    configs = configurations(["ngram", "draft_model"], ["colocated", "disaggregated"], [1, 4])
-    assert len(configs) == 2 * 2 * 3 and ("draft_model", "disaggregated", "K4") in configs
+def test_adaptive_drafts_up_to_the_largest_fixed_k():
     assert speculative_config("ngram", "adaptive", [1, 4]) == {
         "method": "ngram",
         "num_speculative_tokens": 4,  # the ceiling: the largest fixed K compared
@@ -33,7 +31,7 @@ def test_the_summary_puts_adaptive_beside_the_best_fixed_k_at_each_point():
     assert by_level[4]["adaptive_vs_off"] is None and by_level[4]["adaptive_vs_best_fixed"] is None
 
 
-def test_paired_levels_run_mirrored_halves_and_merge_each_applications_blocks(monkeypatch):
+def test_rotated_levels_mirror_the_order_and_merge_each_applications_blocks(monkeypatch):
     from outrider.benchmarks import bench_http_sweep as sweep
     from outrider.benchmarks.loadgen import RequestRecord
 
@@ -50,9 +48,12 @@ def test_paired_levels_run_mirrored_halves_and_merge_each_applications_blocks(mo
         return records, 2.0, {"drafts": 0.0, "accepted": 0.0}, {"drafts": drafts, "accepted": drafts / 2}
 
     monkeypatch.setattr(sweep, "run_block", fake_block)
-    measured = sweep.paired_levels([("off", "off"), ("K2", "spec")], 2, requests=8, concurrency=4)
+    measured = sweep.rotated_levels([("off", "off"), ("K2", "spec")], 2, requests=8, concurrency=4)
     # A B B A, the second half's prompts after the first's
     assert calls == [("off", 0, 4), ("spec", 0, 4), ("spec", 4, 4), ("off", 4, 4)]
+    calls.clear()
+    sweep.rotated_levels([("off", "off"), ("K1", "a"), ("K2", "b")], 3, requests=3, concurrency=1)
+    assert [url for url, _, _ in calls] == ["off", "a", "b", "b", "a", "off", "off", "a", "b"]
     assert measured["off"]["output_tok_s"] == 8 * 10 / 4.0  # both blocks' tokens over both walls
     assert measured["K2"]["output_tok_s"] == 8 * 30 / 4.0
     assert measured["off"]["acceptance_length"] is None
