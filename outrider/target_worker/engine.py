@@ -165,8 +165,7 @@ class Engine:
         self.eos_token_ids, self.grammars = frozenset(int(t) for t in eos), grammars
         self.max_batch, self.tree_budget = max_batch, tree_budget
         self.max_prefill_tokens, self.draft_timeout_s = max_prefill_tokens, draft_timeout_s
-        self.detokenize = detokenize
-        self.vocab_size = runner.model.vocab_size
+        self.detokenize, self.vocab_size = detokenize, runner.model.vocab_size
         self.features = draft_source.feature_spec if draft_source else FeatureSpec()
         self.capture = capture_for(self.features, runner.model.num_layers)
         self.waiting: deque[Sequence] = deque()
@@ -385,6 +384,7 @@ class Engine:
         self.stats.num_trees += good
         self.stats.num_invalid_trees += invalid
         self.stats.num_missing_trees += missing
+        trees = self.policy.shadow_trees(ready, trees, self.round) if self.policy else trees  # (unverified)
         return self.trust.prepare(trees) if self.trust is not None else trees
 
     def _submit_deltas(self, verified: list[Sequence], finished: list[Sequence]) -> None:

@@ -26,6 +26,7 @@ class PolicyConfig:
     goodput_min_rounds: float = 10.0  # decayed drafting rounds (bursty) before the check can veto
     off_min_rounds: float = 3.0  # and rounds without drafts (steady: plain decoding)
     goodput_margin: float = 0.03  # drafting must measure this much less than off to be vetoed
+    shadow_depth: int = 2  # tokens of an off greedy sequence's shadow draft (`policy_shadow`)
 
 
 @dataclass
@@ -40,3 +41,5 @@ class PolicyStats:
     rounds_off: int = 0  # rounds in which no sequence drafted
     vetoed_rounds: int = 0  # rounds the solver wanted drafts that measured goodput turned off
     off_probes: int = 0  # rounds turned off to measure goodput without speculation
+    shadow_drafts: int = 0  # shadow drafts scored in hindsight (`policy_shadow`)
+    shadow_kept: int = 0  # and their tokens that would have been kept

@@ -114,19 +114,36 @@ class Probing:
         None until a probe's cost and a sequence's life are measured: the cost-based spacing
         alone. Per sampling class (greedy: True): what greedy probes find says nothing of
         sampled ones."""
+        terms = self._find_terms(greedy)
+        if terms is None:
+            return None
+        h, gain, life = terms
+        if h >= 1.0:  # every probe finds one: as often as probes may come
+            return 0.0
+        return math.sqrt(2.0 * 0.5 * life * (1.0 - h) * self._probe_extra / (h * gain))
+
+    def _find_terms(self, greedy: bool) -> tuple[float, float, float] | None:
+        """`_value_gap`'s h, gain and L; None where they are not measured, or nothing is found."""
         f = self._finds[greedy]
         if self._probe_extra is None or f.life is None or f.probes <= 0.0:
             return None
         # (h > 1 where solves turned on without probes)
         h = (f.finds + f.prior * f.prior_weight) / (f.probes + f.prior_weight)
-        if h <= 0.0:
-            return None
-        if h >= 1.0:  # every probe finds one: as often as probes may come
-            return 0.0
         gain = f.gain / f.finds if f.finds > 0.0 else f.upside / f.probes
-        if gain <= 0.0:  # not even a kept probe would pay for its round
+        if h <= 0.0 or gain <= 0.0:  # nothing found, or not even a kept probe would pay for its round
             return None
-        return math.sqrt(2.0 * 0.5 * f.life * (1.0 - h) * self._probe_extra / (h * gain))
+        return h, gain, f.life
+
+    def _probe_loss(self, greedy: bool) -> float | None:
+        """What probing alone loses a round (plain-equivalent tokens) at the spacing
+        `_value_gap` sets: stretches that pay found late, and probes that find nothing.
+        None where it is not measured."""
+        terms, gap = self._find_terms(greedy), self._value_gap(greedy)
+        if terms is None or gap is None:
+            return None
+        h, gain, life = terms
+        gap = max(float(self.config.min_probe_every), gap)
+        return min(h, 1.0) * gain * gap / (2.0 * 0.5 * life) + max(1.0 - h, 0.0) * self._probe_extra / gap
 
     def _respace_probes(self, greedy: bool) -> None:
         """What a class's probes found moved: the next probe is due its `_value_gap` after the

@@ -23,10 +23,9 @@ batch's expected committed tokens per second is highest:
   no sequence drafts;
 - Dinkelbach's iteration finds the maximum; sequences not speculating are probed on shared
   rounds spaced by what a probe costs, as deep as pays for a sequence known only by the
-  batch-wide counts (`_probed`, `_probe_depth`); the model is checked
-  against measured goodput, and vetoed for a while where drafting rounds measure less than
-  rounds without (`_vetoed`). The full account, with the measurements behind each rule:
-  docs/algorithms.md section 2c.
+  batch-wide counts (`_probed`, `_probe_depth`), and greedy ones, where it pays, shadowed:
+  a short draft scored in hindsight, never verified (`policy_shadow`); the model is checked
+  against measured goodput, and vetoed where drafting measures less than not (`_vetoed`).
 
 `fixed` is vLLM's behaviour: every sequence drafts the ceiling each round.
 """
@@ -50,6 +49,7 @@ from outrider.target_worker.policy_estimates import (
 )
 from outrider.target_worker.policy_goodput import GoodputCheck
 from outrider.target_worker.policy_probes import ProbeFinds, Probing
+from outrider.target_worker.policy_shadow import Shadowing
 from outrider.target_worker.round_plan import RoundPlan, tree_depth
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 NO_DRAFT = TreeBudget(max_nodes=1, max_depth=0, top_k=0)
 
 
-class SpeculationPolicy(Probing):
+class SpeculationPolicy(Probing, Shadowing):
     def __init__(self, ceiling: TreeBudget, config: PolicyConfig | None = None):
         self.ceiling, self.config = ceiling, config or PolicyConfig()
         depth = max(ceiling.max_depth, 1)
@@ -107,11 +107,12 @@ class SpeculationPolicy(Probing):
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
         self.check = GoodputCheck(self.config, self.stats)  # measured goodput (`policy_goodput`)
         self._predicted: dict[int, float] = {}
-        self._quiet = False  # the next round was announced `quiet`
-        self._calm_until = 0  # `quiet` holds before this round without deciding again
+        # The next round was announced `quiet`; `quiet` holds before `_calm_until` without deciding again.
+        self._quiet, self._calm_until = False, 0
         width = (ceiling.max_nodes - 1) / depth if ceiling.max_depth else 0.0
         self._nodes = [1 + min(ceiling.max_nodes - 1, k * width) for k in range(depth + 1)]
         self._node_counts = [int(round(n)) for n in self._nodes]  # a depth's budget nodes
+        self._init_shadows()  # (`policy_shadow`)
 
     # ---- what the engine asks ------------------------------------------------------------
 
@@ -155,14 +156,16 @@ class SpeculationPolicy(Probing):
                 self._choice = (key, choice)
             depths = self._probed(seq_ids, self._checked(list(self._choice[1]), vetoed), ceiling, vetoed)
             predicted = [row[0][k] for row, k in zip(rows, depths, strict=True)]
+        self._shadow(seq_ids, depths, ceiling, len(seq_ids))
         out = []
         for seq_id, limit, k, tokens in zip(seq_ids, limits, depths, predicted, strict=True):
             self.stats.depth_counts[k] += 1
             if tokens is not None:
                 self._predicted[seq_id] = tokens
-            if k == 0:
+            if k == 0 and seq_id not in self.shadowed:
                 out.append(NO_DRAFT)
-            else:
+            else:  # (k = 0: a shadow draft, verified root-only and scored in hindsight)
+                k = k or min(self.config.shadow_depth, len(self._node_counts) - 1)
                 nodes = min(limit.max_nodes, self._node_counts[k])
                 out.append(shared_budget(nodes, k, limit.top_k, limit.q_width))
         if not any(depths):
@@ -256,13 +259,12 @@ class SpeculationPolicy(Probing):
 
     def quiet(self, num_seqs: int) -> bool:
         """Whether next round is off for every sequence with nothing to decide: speculation is
-        off, no solve or probe is due, and no sequence could draft deeper than the last solve
-        weighed. Then the engine sends no budgets and `observe_round` only measures the round
-        (at batch 1 the full path cost ~2% of a round without drafts, in every such round).
-        Counted as `budgets` would."""
+        off, no solve, probe or shadow is due, and no sequence could draft deeper than the last
+        solve weighed. Then the engine sends no budgets and `observe_round` only measures the
+        round (the full path cost ~2% of a round without drafts at batch 1). Counted as `budgets` would."""
         self._quiet = False
-        if not (self.config.adaptive and num_seqs):
-            return False
+        if not (self.config.adaptive and num_seqs) or (self._shadow_pays and True in self._kinds):
+            return False  # (shadow drafts to ask for: `policy_shadow`)
         if self.rounds < self._calm_until:  # nothing it depends on moves before then
             calm, vetoed = True, self.check.vetoed(self.rounds)  # (may start a veto: counted alike)
         else:
@@ -306,12 +308,12 @@ class SpeculationPolicy(Probing):
         round_s: float,
     ) -> None:
         """`observe`, from the engine's round: what each sequence's draft earned, what it cost."""
+        budgets = self._shadow_round(verified, draft_wait_s)  # (a shadow draft is no draft)
         if self._quiet:  # nobody was asked to draft (`quiet`): a root-only tree commits one token
             n, prefill = len(trees), plan.num_prefill_tokens
             self.observe_quiet(n, n, n + prefill, round_s, prefill)
             return
         output = result.num_output_tokens.tolist()[: len(trees)]  # (after them: prompts that finished)
-        budgets = [s.budget.max_depth if s.budget is not None else 0 for s in verified]
         nodes = [tree.parents.shape[0] - 1 for tree in trees]  # below the root
         outcomes = [
             (seq.seq_id, budget, tree_depth(tree) if n else 0, out - 1, out)
@@ -328,6 +330,7 @@ class SpeculationPolicy(Probing):
         if tokens is not None:
             self._note_life(greedy, tokens)
         self.seqs.pop(seq_id, None)
+        self._forget_shadow(seq_id)
         self._greedy.pop(seq_id, None)
         self._gain_rows.pop(seq_id, None)
         self._predicted.pop(seq_id, None)
@@ -411,7 +414,7 @@ class SpeculationPolicy(Probing):
         # was "off"), and the drafter's wait is weighed against not drafting (priced as paid
         # whatever the sequences chose, a sequence whose drafts stopped being kept at batch 1
         # drafted the full m until the next solve, up to `max_resolve_every` rounds).
-        ms = range(len(rows[0][0])) if due else sorted({0, self._solved[0]})
+        ms = range(len(rows[0][0])) if due else sorted({0, min(self._solved[0], max(ceiling))})
         options = {m: best(m) for m in ms}
         pick = max(ms, key=lambda m: options[m][0])  # the first of equals
         self._lam, choice = options[pick]
