@@ -81,6 +81,8 @@ class ReplicaSnapshot:
     budget_depths: tuple[int, ...] = ()  # [d] = sequence-rounds the policy gave draft depth d
     policy_predicted_tokens: float = 0.0  # tokens the policy expected those sequence-rounds to commit
     policy_measured_tokens: int = 0  # and what they committed
+    policy_shadow_drafts: int = 0  # shadow drafts scored in hindsight (never verified)
+    policy_shadow_kept_tokens: int = 0  # and their tokens that would have been kept
 
     @classmethod
     def total(cls, snapshots: list[ReplicaSnapshot]) -> ReplicaSnapshot:

@@ -243,6 +243,16 @@ class Metrics:
                 t.policy_measured_tokens,
                 "Tokens those sequence-rounds committed: compare with spec_policy_predicted_tokens.",
             )
+            counter(
+                "spec_policy_shadow_drafts",
+                t.policy_shadow_drafts,
+                "Drafts of greedy sequences the policy held off, scored in hindsight, never verified.",
+            )
+            counter(
+                "spec_policy_shadow_kept_tokens",
+                t.policy_shadow_kept_tokens,
+                "Tokens of those shadow drafts the target then committed (would have been kept).",
+            )
             counter("spec_cache_hits", d.cache_hits, "Draft rounds answered from the speculation cache.")
             counter(
                 "spec_cache_lookups", d.cache_lookups, "Draft rounds that looked in the speculation cache."

@@ -203,6 +203,8 @@ def _policy_fields(policy) -> dict[str, Any]:
         budget_depths=tuple(policy.stats.depth_counts),
         policy_predicted_tokens=policy.stats.predicted_tokens,
         policy_measured_tokens=policy.stats.measured_tokens,
+        policy_shadow_drafts=policy.stats.shadow_drafts,
+        policy_shadow_kept_tokens=policy.stats.shadow_kept,
     )
 
 

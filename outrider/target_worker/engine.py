@@ -48,10 +48,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from outrider.kernels import (
-    SpecDecodeCounters,
-    verify,
-)
+from outrider.kernels import SpecDecodeCounters, verify
 from outrider.proto import (
     DEFAULT_TREE_BUDGET,
     CandidateTree,
@@ -290,6 +287,7 @@ class Engine:
             self.blocks.block_size,
         )
         # 2. One target forward: prompt chunks and every tree, flattened into one ragged batch.
+        forwarding = time.perf_counter()
         out = self.runner.forward(plan.forward)
         features = gather_features(out, self.features, self.runner.model.num_layers) if self.capture else None
         self._count(plan)
@@ -301,6 +299,7 @@ class Engine:
             logits = apply_logits_processors(plan, out.logits)  # penalties, grammar, ...: per node
             p, greedy = target_probs(plan, logits, device), greedy_rows(plan, device)
             res = verify(plan.trees, p, greedy, verify_randoms(plan, self.vocab_size, device))
+            forward_s = time.perf_counter() - forwarding  # (the policy's cost split: `RoundCost`)
             if self.trust is not None:
                 self.trust.audit(plan.trees, p, greedy)  # trusted sampled trees: is q honest?
             # 4. Commit: the accepted paths' K/V move next to their roots; tokens are appended.
@@ -313,7 +312,7 @@ class Engine:
             # ones this round's drafting answered), which are sent after the policy learns.
             if self.policy is not None:
                 round_s = time.perf_counter() - collected + self._submit_s
-                self.policy.observe_round(ready, trees, res, plan, collected - started, round_s)
+                self.policy.observe_round(ready, trees, res, plan, collected - started, round_s, forward_s)
         fill_prompts(plan, features)
         self.kv.settle(plan.verified, plan.filled)
         # 5. Deltas (under the policy's budgets) for the next round's trees, and `finished`.

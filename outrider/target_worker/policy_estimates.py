@@ -66,6 +66,45 @@ class CostFit:
         return self._coefficients
 
 
+class RoundCost:
+    """A round's seconds outside `collect`, a + b N + r A + s D (N tokens in the forward, A
+    sequences asked to draft, D of them with drafts), as two fits on what the engine times
+    apart: the forward with verification (the model, target probabilities, the verify
+    kernel: work per token) against N alone, and the rest of the round (checks, packing, the
+    policy, commit, deltas: Python) against N, A and D; a and b are the sums of theirs.
+
+    One fit of the whole round could not tell b from s: where every drafting sequence drafts
+    the same depth (fixed K, or a policy that settled on one), N = B + k D, and the ridge
+    kept whatever split the warm-up left. On the small family the forward of 9 tokens costs
+    ~2.6 ms more than of 1 (b ~0.3 ms), but one fit read b = 0.07 ms and s = 2.7 ms: a batch of
+    16 drafting sequences was priced 43 ms for what cost ~15, and the policy drafted for few of
+    them (ngram at concurrency 64, T = 0: 1.20x off where fixed K = 4 ran 1.57x). The forward
+    sees N vary with the batch as well as the depth, so its b is told apart.
+
+    Rounds given without their forward's time (`forward_s` None) go to the rest whole.
+    On an accelerator the forward runs asynchronously: what it has not finished when
+    verification returns is waited for later in the round, and lands in the rest's b.
+    """
+
+    def __init__(self, decay: float):
+        self.forward, self.rest = CostFit(1, decay), CostFit(3, decay)
+        self._coefficients = (0.0, 0.0, 0.0, 0.0)
+
+    def add(self, features: Seq[float], round_s: float, forward_s: float | None = None) -> None:
+        if forward_s is not None:
+            self.forward.add(features[:1], forward_s)
+            round_s -= forward_s
+        self.rest.add(features, round_s)
+
+    def solve(self) -> tuple[float, ...]:
+        (a1, b1), (a2, b2, r, s) = self.forward.solve(), self.rest.solve()
+        self._coefficients = (a1 + a2, b1 + b2, r, s)
+        return self._coefficients
+
+    def coefficients(self) -> tuple[float, ...]:
+        return self._coefficients
+
+
 class DraftCounts:
     """Decayed per-depth counts (index d is depth d + 1): asked[d] drafts that could reach
     depth d + 1 (the budget allowed it and the tree reached depth d), drafted[d] of them did;

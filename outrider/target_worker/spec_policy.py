@@ -41,6 +41,7 @@ from outrider.target_worker.policy_config import PolicyConfig, PolicyStats
 from outrider.target_worker.policy_estimates import (
     CostFit,
     DraftCounts,
+    RoundCost,
     Row,
     dinkelbach,
     expected_gains,
@@ -49,6 +50,7 @@ from outrider.target_worker.policy_estimates import (
 )
 from outrider.target_worker.policy_goodput import GoodputCheck
 from outrider.target_worker.policy_probes import ProbeFinds, Probing
+from outrider.target_worker.policy_quiet import Quiet
 from outrider.target_worker.policy_shadow import Shadowing
 from outrider.target_worker.round_plan import RoundPlan, tree_depth
 
@@ -59,7 +61,7 @@ if TYPE_CHECKING:
 NO_DRAFT = TreeBudget(max_nodes=1, max_depth=0, top_k=0)
 
 
-class SpeculationPolicy(Probing, Shadowing):
+class SpeculationPolicy(Probing, Shadowing, Quiet):
     def __init__(self, ceiling: TreeBudget, config: PolicyConfig | None = None):
         self.ceiling, self.config = ceiling, config or PolicyConfig()
         depth = max(ceiling.max_depth, 1)
@@ -72,7 +74,7 @@ class SpeculationPolicy(Probing, Shadowing):
         # draft (their deltas, answers, bookkeeping) + s * sequences whose tree has drafts (its
         # packing, walk, ...); collect seconds = c + e * deepest budget + g * tokens the
         # drafter was sent (a probe after a long pause catches up on them all).
-        self.verify_cost = CostFit(3, self.config.cost_decay)
+        self.verify_cost = RoundCost(self.config.cost_decay)
         self.draft_cost = CostFit(2, self.config.cost_decay)
         self._sent = 0  # tokens sent with the requests the next collect answers
         self.deepest_seen = 0  # the drafter may draft less than the ceiling: never plan past it + 1
@@ -183,9 +185,11 @@ class SpeculationPolicy(Probing, Shadowing):
         draft_wait_s: float,
         prefill_tokens: int = 0,
         draft_nodes: Seq[int] | None = None,
+        forward_s: float | None = None,
     ) -> None:
         """One round's evidence: each verified sequence's draft outcome, and what it cost;
-        `draft_nodes`, each tree's nodes below the root (None: chains, as deep as many)."""
+        `draft_nodes`, each tree's nodes below the root (None: chains, as deep as many);
+        `forward_s`, the part of `round_s` the forward and verification took (`RoundCost`)."""
         config = self.config
         committed = sum(o[4] for o in outcomes)
         worth, plain_s = self._measure(len(outcomes), committed, round_s + draft_wait_s, prefill_tokens)
@@ -234,7 +238,7 @@ class SpeculationPolicy(Probing, Shadowing):
             own = self.seqs.setdefault(seq_id, DraftCounts.empty(glob.depth))
             own.add(budget_depth, depth, accepted, config.sequence_decay)
             glob.add(budget_depth, depth, accepted, config.global_decay)
-        self.verify_cost.add((forward_tokens, asked, drafted), round_s)
+        self.verify_cost.add((forward_tokens, asked, drafted), round_s, forward_s)
         if deepest_budget > 0:  # with no budget anywhere the engine does not collect at all
             self.draft_cost.add((deepest_budget, self._sent), draft_wait_s)
         self._sent = 0
@@ -257,42 +261,6 @@ class SpeculationPolicy(Probing, Shadowing):
         self._probing = False
         return worth, plain_s
 
-    def quiet(self, num_seqs: int) -> bool:
-        """Whether next round is off for every sequence with nothing to decide: speculation is
-        off, no solve, probe or shadow is due, and no sequence could draft deeper than the last
-        solve weighed. Then the engine sends no budgets and `observe_round` only measures the
-        round (the full path cost ~2% of a round without drafts at batch 1). Counted as `budgets` would."""
-        self._quiet = False
-        if not (self.config.adaptive and num_seqs) or (self._shadow_pays and True in self._kinds):
-            return False  # (shadow drafts to ask for: `policy_shadow`)
-        if self.rounds < self._calm_until:  # nothing it depends on moves before then
-            calm, vetoed = True, self.check.vetoed(self.rounds)  # (may start a veto: counted alike)
-        else:
-            vetoed = self._vetoed()
-            calm = (
-                self._off(vetoed)
-                and self.rounds < self._next_probe
-                and self._solved_cap >= self.ceiling.max_depth
-            )
-            if calm:  # off until the next probe or solve, or, if only vetoed, the veto's end
-                until = min(self._next_probe, self._next_solve)
-                self._calm_until = until if self._all_off() else min(until, self.check.veto_until)
-        self._quiet = calm
-        if calm:
-            self.check.planned, self.check.off_probe = False, False
-            self.stats.depth_counts[0] += num_seqs
-            self.stats.rounds_off += 1
-            self.stats.vetoed_rounds += vetoed
-        return calm
-
-    def observe_quiet(
-        self, num_seqs: int, committed: int, forward_tokens: int, round_s: float, prefill_tokens: int
-    ) -> None:
-        """`observe` for a round `quiet` announced: no sequence was asked to draft."""
-        self._measure(num_seqs, committed, round_s, prefill_tokens)
-        self.verify_cost.add((forward_tokens, 0, 0), round_s)
-        self._sent = 0
-
     def sent(self, tokens: int) -> None:
         """The tokens the drafter was just sent with its requests (what it must catch up on
         before drafting), for the draft-cost fit."""
@@ -306,12 +274,13 @@ class SpeculationPolicy(Probing, Shadowing):
         plan: RoundPlan,
         draft_wait_s: float,
         round_s: float,
+        forward_s: float | None = None,
     ) -> None:
         """`observe`, from the engine's round: what each sequence's draft earned, what it cost."""
         budgets = self._shadow_round(verified, draft_wait_s)  # (a shadow draft is no draft)
         if self._quiet:  # nobody was asked to draft (`quiet`): a root-only tree commits one token
             n, prefill = len(trees), plan.num_prefill_tokens
-            self.observe_quiet(n, n, n + prefill, round_s, prefill)
+            self.observe_quiet(n, n, n + prefill, round_s, prefill, forward_s)
             return
         output = result.num_output_tokens.tolist()[: len(trees)]  # (after them: prompts that finished)
         nodes = [tree.parents.shape[0] - 1 for tree in trees]  # below the root
@@ -321,7 +290,14 @@ class SpeculationPolicy(Probing, Shadowing):
         ]
         tokens = sum(nodes) + len(nodes) + plan.num_prefill_tokens  # the forward's (Python ints)
         self.observe(
-            outcomes, tokens, round_s, max(budgets, default=0), draft_wait_s, plan.num_prefill_tokens, nodes
+            outcomes,
+            tokens,
+            round_s,
+            max(budgets, default=0),
+            draft_wait_s,
+            plan.num_prefill_tokens,
+            nodes,
+            forward_s,
         )
 
     def forget(self, seq_id: int, tokens: int | None = None, greedy: bool = True) -> None:

@@ -173,7 +173,12 @@ def test_metrics_page_shows_the_policys_budgets_and_its_calibration():
     metrics = Metrics("m")
     metrics.snapshot(
         ReplicaSnapshot(
-            replica="a", budget_depths=(3, 0, 2), policy_predicted_tokens=8.5, policy_measured_tokens=9
+            replica="a",
+            budget_depths=(3, 0, 2),
+            policy_predicted_tokens=8.5,
+            policy_measured_tokens=9,
+            policy_shadow_drafts=4,
+            policy_shadow_kept_tokens=3,
         )
     )
     metrics.snapshot(ReplicaSnapshot(replica="b", budget_depths=(1,)))
@@ -184,6 +189,8 @@ def test_metrics_page_shows_the_policys_budgets_and_its_calibration():
     assert 'outrider:spec_decode_draft_depth_sum{model_name="m"} 4' in page
     assert 'outrider:spec_policy_predicted_tokens_total{model_name="m"} 8.5' in page
     assert 'outrider:spec_policy_measured_tokens_total{model_name="m"} 9' in page
+    assert 'outrider:spec_policy_shadow_drafts_total{model_name="m"} 4' in page
+    assert 'outrider:spec_policy_shadow_kept_tokens_total{model_name="m"} 3' in page
 
 
 def test_metrics_page_says_how_each_replica_verifies_its_drafts():
