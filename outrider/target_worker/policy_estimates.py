@@ -247,15 +247,18 @@ def moved(row: Row, old: Row) -> bool:
     )
 
 
-def sequence_seconds(rows: list[Row], b: float, ask: float, overhead: float, g: float) -> list[list[float]]:
+def sequence_seconds(
+    rows: list[Row], b: float, ask: float, overhead: float, g: float, h: float = 0.0
+) -> list[list[float]]:
     """Per sequence and depth k, the round seconds it adds: b per node verified, and once it
-    drafts, ask (its delta and answer), overhead x the chance its tree has drafts, and g per
-    token it commits (drafting every round, it sends what it commits to catch up on)."""
+    drafts, ask (its delta and answer), overhead x the chance its tree has drafts, g per
+    token it commits (drafting every round, it sends what it commits to catch up on) and h
+    per draft token it asks for (a batched draft model's step grows with the rows it drafts)."""
     return [
         [b * nodes[0]]
         + [
-            b * n + ask + overhead * q + g * t
-            for t, n, q in zip(tokens[1:], nodes[1:], some[1:], strict=True)
+            b * n + ask + overhead * q + g * t + h * k
+            for k, (t, n, q) in enumerate(zip(tokens[1:], nodes[1:], some[1:], strict=True), start=1)
         ]
         for tokens, nodes, some in rows
     ]

@@ -83,8 +83,8 @@ class Probing:
             self._tree_nodes / self._tree_depths,
             self._nodes,
         )
-        c, e, g = self.draft_cost.coefficients()
-        seconds = sequence_seconds([row], b, ask, overhead, g)[0]
+        c, e, g, h = self.draft_cost.coefficients()
+        seconds = sequence_seconds([row], b, ask, overhead, g, h)[0]
         rates = [row[0][k] / max(base_s + seconds[k] + c + e * k, 1e-9) for k in range(1, len(seconds))]
         return 1 + max(range(len(rates)), key=rates.__getitem__) if rates else 1
 
@@ -110,7 +110,11 @@ class Probing:
         on the small demo: its drafts did not pay even in loops, and probes spaced by the
         prior's hope, ~100 rounds apart with a catch-up of the head on each, cost ~5% of the
         time). `gain` is the finds' mean (the best probe round of each find's chain), or before
-        any, the probes' mean upside (what they would have gained had every draft been kept).
+        any, the probes' mean upside (what they would have gained had every draft been kept),
+        but no more than what the rounds the solver drafted in measured per round over rounds
+        without drafts: a find is worth what the drafting it turns on gains, not its best probe
+        (a draft model at T = 0, batch 1: kept probes in loops spaced probes ~8 rounds apart,
+        each with the model's catch-up, while the drafting they turned on barely paid).
         None until a probe's cost and a sequence's life are measured: the cost-based spacing
         alone. Per sampling class (greedy: True): what greedy probes find says nothing of
         sampled ones."""
@@ -130,6 +134,9 @@ class Probing:
         # (h > 1 where solves turned on without probes)
         h = (f.finds + f.prior * f.prior_weight) / (f.probes + f.prior_weight)
         gain = f.gain / f.finds if f.finds > 0.0 else f.upside / f.probes
+        on = self.check.kinds[True]  # what rounds the solver drafted in gained, measured
+        if on[2] >= self.config.goodput_min_rounds:
+            gain = min(gain, (on[0] - on[1]) / on[2])
         if h <= 0.0 or gain <= 0.0:  # nothing found, or not even a kept probe would pay for its round
             return None
         return h, gain, f.life

@@ -61,8 +61,8 @@ class Shadowing:
         if plain_s <= 0:
             return False
         if self._shadow_s is None:
-            c, e, _ = self.draft_cost.coefficients()
-            wait = c + e * self.config.shadow_depth
+            c, e, _, h = self.draft_cost.coefficients()
+            wait = c + (e + h) * self.config.shadow_depth
         else:
             wait = self._shadow_s
         return max(wait, 0.0) * num_seqs / plain_s < loss

@@ -6,7 +6,7 @@ for each decoding sequence's TreeBudget (depth k; k = 0 verifies the root only),
 batch's expected committed tokens per second is highest:
 
     tokens(k_s)  = 1 + sum_{i=1..k_s} prod_{d=1..i} delta_s,d alpha_s,d   survival along the draft
-    seconds      = verify(N, A, D) + draft(max_s k_s)               N = sum_s nodes_s(k_s) + prefill
+    seconds      = verify(N, A, D) + draft(max_s k_s, U, sum_s k_s)   N = sum_s nodes_s(k_s) + prefill
     maximise       sum_s tokens(k_s) / seconds
 
 - alpha_s,d: the chance a draft reaching depth d - 1 also keeps depth d, and delta_s,d the
@@ -17,9 +17,10 @@ batch's expected committed tokens per second is highest:
   what it drafts (`policy_estimates.expected_gains`);
 - verify(N, A, D) = a + b N + r A + s D: a round's seconds outside `collect` against the
   tokens its forward carries (prefill chunks included), the A sequences asked to draft and
-  the D of them whose trees carry drafts, fitted online; draft(m, U) = c + e m + g U: the
-  time the engine waits in `collect` when the deepest budget is m and the drafter was sent U
-  tokens to catch up on (a sequence drafting every round sends what it committed), 0 when
+  the D of them whose trees carry drafts, fitted online; draft(m, U, K) = c + e m + g U + h K:
+  the time the engine waits in `collect` when the deepest budget is m, the drafter was sent U
+  tokens to catch up on (a sequence drafting every round sends what it committed) and asked
+  for K draft tokens in all (a batched draft model's step costs more with more rows), 0 when
   no sequence drafts;
 - Dinkelbach's iteration finds the maximum; sequences not speculating are probed on shared
   rounds spaced by what a probe costs, as deep as pays for a sequence known only by the
@@ -73,9 +74,10 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         # Round seconds (collect aside) = a + b * tokens in the forward + r * sequences asked to
         # draft (their deltas, answers, bookkeeping) + s * sequences whose tree has drafts (its
         # packing, walk, ...); collect seconds = c + e * deepest budget + g * tokens the
-        # drafter was sent (a probe after a long pause catches up on them all).
+        # drafter was sent (a probe after a long pause catches up on them all) + h * draft
+        # tokens asked for (the budgets' depths summed).
         self.verify_cost = RoundCost(self.config.cost_decay)
-        self.draft_cost = CostFit(2, self.config.cost_decay)
+        self.draft_cost = CostFit(3, self.config.cost_decay)
         self._sent = 0  # tokens sent with the requests the next collect answers
         self.deepest_seen = 0  # the drafter may draft less than the ceiling: never plan past it + 1
         # Decayed: draft nodes the trees carried, and their depths. Their ratio is the drafter's
@@ -240,7 +242,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             glob.add(budget_depth, depth, accepted, config.global_decay)
         self.verify_cost.add((forward_tokens, asked, drafted), round_s, forward_s)
         if deepest_budget > 0:  # with no budget anywhere the engine does not collect at all
-            self.draft_cost.add((deepest_budget, self._sent), draft_wait_s)
+            self.draft_cost.add((deepest_budget, self._sent, sum(o[1] for o in outcomes)), draft_wait_s)
         self._sent = 0
 
     def _measure(
@@ -376,8 +378,8 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             self.verify_cost.solve()
             self.draft_cost.solve()
         a, b, ask, overhead = self.verify_cost.coefficients()
-        c, e, g = self.draft_cost.coefficients()
-        seconds = sequence_seconds(rows, b, ask, overhead, g)
+        c, e, g, h = self.draft_cost.coefficients()
+        seconds = sequence_seconds(rows, b, ask, overhead, g, h)
         fixed_s = a + b * prefill_tokens
 
         def best(m: int) -> tuple[float, list[int]]:

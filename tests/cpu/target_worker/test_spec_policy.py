@@ -11,6 +11,7 @@ import random
 import pytest
 
 from outrider.proto import TreeBudget
+from outrider.target_worker.policy_estimates import sequence_seconds
 from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy
 
 CEILING = TreeBudget(max_nodes=9, max_depth=8, top_k=1)
@@ -593,3 +594,37 @@ def test_the_greedy_prior_fades_where_probes_never_find_a_stretch_that_pays():
     assert gaps[4] < cost_spacing / 4  # early: the prior's hope spaces them
     assert gaps[-1] > cost_spacing  # later: evidence rules, the cost-based spacing takes over
     assert all(a <= b for a, b in zip(gaps, gaps[1:], strict=False))
+
+
+def test_finds_are_worth_what_the_drafting_they_turn_on_measured():
+    """Probes that keep their drafts in loops space probes close; if the drafting rounds the
+    solver then chose measured less than rounds without drafts, finds are worth nothing and
+    the cost-based spacing rules (a draft model at T = 0: each probe is a catch-up)."""
+    policy = SpeculationPolicy(CEILING, PolicyConfig())
+    policy._probe_extra = 2.0
+    policy.forget(0, tokens=64)
+    for _ in range(3):
+        for gain in (-1.0, 3.0):
+            policy._note_probe(True, gain, 4.0)
+        policy._note_find(True)
+    hopeful = policy._value_gap(True)
+    assert hopeful is not None and hopeful < 16
+    policy.check.kinds[True] = [30.0, 28.0, 20.0]  # drafting rounds: +0.1 token a round, measured
+    assert policy._value_gap(True) > hopeful
+    policy.check.kinds[True] = [24.0, 28.0, 20.0]  # and where they lost
+    assert policy._value_gap(True) is None and policy._probe_loss(True) is None
+
+
+def test_a_batched_drafters_cost_grows_with_the_draft_tokens_asked():
+    """draft(m, U, K) = c + e m + g U + h K: the fit tells e from h once the batch varies,
+    and each sequence's own depth is priced h a token."""
+    policy = SpeculationPolicy(CEILING, PolicyConfig())
+    for batch in (1, 4, 16, 1, 8):
+        for m in range(1, 9):
+            policy.draft_cost.add((m, 0, m * batch), 1e-3 + 2e-4 * m + 5e-5 * m * batch)
+    c, e, g, h = policy.draft_cost.solve()
+    assert c == pytest.approx(1e-3, rel=0.05) and e == pytest.approx(2e-4, rel=0.05)
+    assert h == pytest.approx(5e-5, rel=0.05)  # (the ridge's pull aside)
+    rows = [([1.0, 1.9, 2.7], [1.0, 2.0, 3.0], [0.0, 1.0, 1.0])]
+    (seconds,) = sequence_seconds(rows, 1e-4, 0.0, 0.0, 0.0, h)
+    assert abs(seconds[2] - seconds[1] - (1e-4 + h)) < 1e-12
