@@ -81,7 +81,11 @@ class RoundCost:
     them (ngram at concurrency 64, T = 0: 1.20x off where fixed K = 4 ran 1.57x). The forward
     sees N vary with the batch as well as the depth, so its b is told apart.
 
-    Rounds given without their forward's time (`forward_s` None) go to the rest whole.
+    The forward's line is fitted on decode rounds only: on this CPU a 48-token prompt chunk
+    cost little more than a 9-token tree (one matrix product either way), and with prefill
+    rounds in the fit its slope read ~0.02 ms a token where a tree's tokens cost ~0.25 ms
+    each at batch 1. Rounds given without their forward's time (`forward_s` None) go to the
+    rest whole.
     On an accelerator the forward runs asynchronously: what it has not finished when
     verification returns is waited for later in the round, and lands in the rest's b.
     """
@@ -90,9 +94,12 @@ class RoundCost:
         self.forward, self.rest = CostFit(1, decay), CostFit(3, decay)
         self._coefficients = (0.0, 0.0, 0.0, 0.0)
 
-    def add(self, features: Seq[float], round_s: float, forward_s: float | None = None) -> None:
+    def add(
+        self, features: Seq[float], round_s: float, forward_s: float | None = None, prefill: bool = False
+    ) -> None:
         if forward_s is not None:
-            self.forward.add(features[:1], forward_s)
+            if not prefill:  # (a prompt chunk's tokens cost a fraction of a decode round's each)
+                self.forward.add(features[:1], forward_s)
             round_s -= forward_s
         self.rest.add(features, round_s)
 

@@ -49,5 +49,5 @@ class Quiet:
     ) -> None:
         """`observe` for a round `quiet` announced: no sequence was asked to draft."""
         self._measure(num_seqs, committed, round_s, prefill_tokens)
-        self.verify_cost.add((forward_tokens, 0, 0), round_s, forward_s)
+        self.verify_cost.add((forward_tokens, 0, 0), round_s, forward_s, prefill_tokens > 0)
         self._sent = 0

@@ -13,7 +13,8 @@ that starts to loop) only as often as they are spaced; a shadow finds them withi
 beat the policy by 4-9% at T = 0 because probes spaced ~10 rounds apart found loop onsets late.
 
 Shadowing is used only while it pays: its measured cost (the drafter's answer waited for in
-rounds where only shadows were asked; before any, the draft-cost fit's) in plain-equivalent
+rounds where only shadows were asked, before any the draft-cost fit's, plus what asking costs
+the round: the verify fit's per-sequence `ask`, shadows counted as asked) in plain-equivalent
 tokens per round must be below what probing alone loses per round at its spacing
 (`Probing._probe_loss`). A drafter on another machine, or a draft model, costs more than it
 could find there; a lookup in the target's process next to nothing.
@@ -56,7 +57,7 @@ class Shadowing:
         loss = self._probe_loss(True)
         if loss is None:
             return False
-        a, b, *_ = self.verify_cost.coefficients()
+        a, b, ask, _ = self.verify_cost.coefficients()
         plain_s = a + b * num_seqs
         if plain_s <= 0:
             return False
@@ -65,7 +66,9 @@ class Shadowing:
             wait = c + (e + h) * self.config.shadow_depth
         else:
             wait = self._shadow_s
-        return max(wait, 0.0) * num_seqs / plain_s < loss
+        # The wait, and what asking costs the round's own path (its delta, the answer's checks:
+        # a round that asks anything cannot be `quiet`), fitted as `ask` per sequence asked.
+        return (max(wait, 0.0) + ask * num_seqs) * num_seqs / plain_s < loss
 
     def shadow_trees(
         self, ready: Seq[Sequence], trees: list[CandidateTree], round: int

@@ -240,7 +240,10 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             own = self.seqs.setdefault(seq_id, DraftCounts.empty(glob.depth))
             own.add(budget_depth, depth, accepted, config.sequence_decay)
             glob.add(budget_depth, depth, accepted, config.global_decay)
-        self.verify_cost.add((forward_tokens, asked, drafted), round_s, forward_s)
+        shadows = sum(o[0] in self.shadowed for o in outcomes)  # asked as well (`policy_shadow`)
+        self.verify_cost.add(
+            (forward_tokens, asked + shadows, drafted), round_s, forward_s, prefill_tokens > 0
+        )
         if deepest_budget > 0:  # with no budget anywhere the engine does not collect at all
             self.draft_cost.add((deepest_budget, self._sent, sum(o[1] for o in outcomes)), draft_wait_s)
         self._sent = 0

@@ -99,3 +99,23 @@ def test_dinkelbach_finds_the_best_deepest_budget_and_depths():
         lam, ks = solved[m]
         assert m in ms and all(k <= min(cap, m) for k, cap in zip(ks, ceiling, strict=True))
         assert rate(m, ks) == pytest.approx(best, rel=1e-6) and lam == pytest.approx(best, rel=1e-3)
+
+
+def test_round_cost_tells_the_token_cost_from_the_drafting_sequence_cost():
+    """Every drafting sequence drafts 8 (N = B + 8 D): one fit of the whole round cannot tell
+    b from s; the forward, timed apart and fitted on its tokens, can. Prompt chunks, whose
+    tokens cost a fraction of a tree's, stay out of the forward's line."""
+    from outrider.target_worker.policy_estimates import RoundCost
+
+    cost = RoundCost(0.98)
+    b, s, a_fwd, a_rest = 3e-4, 2e-4, 1e-3, 2e-4
+    for batch in (1, 2, 4, 1, 3) * 10:
+        for drafting in range(batch + 1):
+            n = batch + 8 * drafting
+            forward = a_fwd + b * n
+            cost.add((n, drafting, drafting), forward + a_rest + s * drafting, forward)
+        cost.add((batch + 48, 0, 0), a_fwd + 2e-5 * (batch + 48) + a_rest, a_fwd + 2e-5 * (batch + 48), True)
+    a, b_fit, r, s_fit = cost.solve()
+    assert b_fit == pytest.approx(b, rel=0.05)
+    assert r + s_fit == pytest.approx(s, rel=0.1)  # asked and drafting sequences: always together here
+    assert a == pytest.approx(a_fwd + a_rest, rel=0.1)
