@@ -119,9 +119,9 @@ class Probing:
         alone. Per sampling class (greedy: True): what greedy probes find says nothing of
         sampled ones."""
         terms = self._find_terms(greedy)
-        if terms is None:
-            return None
-        h, gain, life = terms
+        return None if terms is None else self._gap(*terms)
+
+    def _gap(self, h: float, gain: float, life: float) -> float:
         if h >= 1.0:  # every probe finds one: as often as probes may come
             return 0.0
         return math.sqrt(2.0 * 0.5 * life * (1.0 - h) * self._probe_extra / (h * gain))
@@ -145,11 +145,11 @@ class Probing:
         """What probing alone loses a round (plain-equivalent tokens) at the spacing
         `_value_gap` sets: stretches that pay found late, and probes that find nothing.
         None where it is not measured."""
-        terms, gap = self._find_terms(greedy), self._value_gap(greedy)
-        if terms is None or gap is None:
+        terms = self._find_terms(greedy)
+        if terms is None:
             return None
         h, gain, life = terms
-        gap = max(float(self.config.min_probe_every), gap)
+        gap = max(float(self.config.min_probe_every), self._gap(h, gain, life))
         return min(h, 1.0) * gain * gap / (2.0 * 0.5 * life) + max(1.0 - h, 0.0) * self._probe_extra / gap
 
     def _respace_probes(self, greedy: bool) -> None:

@@ -44,13 +44,14 @@ class Shadowing:
 
     def _shadow(self, seq_ids: Seq[int], depths: list[int], ceiling: list[int], num_seqs: int) -> None:
         """Which off greedy sequences get a shadow draft next round (`shadowed`)."""
-        self.shadowed = set()
-        self._shadow_pays = self.config.adaptive and not self._warming_up() and self._shadow_worth(num_seqs)
-        if not self._shadow_pays:
-            return
-        for seq_id, k, cap in zip(seq_ids, depths, ceiling, strict=True):
-            if k == 0 and cap > 0 and self._greedy.get(seq_id, True) and seq_id not in self._shadows:
-                self.shadowed.add(seq_id)
+        off = [
+            s
+            for s, k, cap in zip(seq_ids, depths, ceiling, strict=True)
+            if k == 0 and cap > 0 and self._greedy.get(s, True)
+        ]  # (weighed only where some greedy sequence is off: `budgets` runs every round)
+        self._shadow_pays = bool(off) and self.config.adaptive and not self._warming_up()
+        self._shadow_pays = self._shadow_pays and self._shadow_worth(num_seqs)
+        self.shadowed = {s for s in off if s not in self._shadows} if self._shadow_pays else set()
 
     def _shadow_worth(self, num_seqs: int) -> bool:
         """Shadowing's cost in plain-equivalent tokens a round is below what probing loses."""
