@@ -300,10 +300,9 @@ class Engine:
             p, greedy = target_probs(plan, logits, device), greedy_rows(plan, device)
             res = verify(plan.trees, p, greedy, verify_randoms(plan, self.vocab_size, device))
             forward_s = time.perf_counter() - forwarding  # (the policy's cost split: `RoundCost`)
-            if self.trust is not None:
-                self.trust.audit(plan.trees, p, greedy)  # trusted sampled trees: is q honest?
             # 4. Commit: the accepted paths' K/V move next to their roots; tokens are appended.
             if plan.slot_map is not None:  # some tree had drafts to accept
+                self.trust.audit(plan.trees, p, greedy)  # trusted sampled trees: is q honest?
                 self.cache.compact(res.accepted_node_ids, plan.slot_map)
             self.stats.spec.observe(plan.trees.cu_num_draft_tokens, res)
             outputs = append_outputs(plan, res, logits, features, self.detokenize)
@@ -383,8 +382,10 @@ class Engine:
         self.stats.num_trees += good
         self.stats.num_invalid_trees += invalid
         self.stats.num_missing_trees += missing
-        trees = self.policy.shadow_trees(ready, trees, self.round) if self.policy else trees  # (unverified)
-        return self.trust.prepare(trees) if self.trust is not None else trees
+        if not received:  # every tree root-only: nothing to shadow or demote
+            return trees
+        trees = self.policy.shadow_trees(ready, trees, self.round)  # (unverified)
+        return self.trust.prepare(trees)
 
     def _submit_deltas(self, verified: list[Sequence], finished: list[Sequence]) -> None:
         """Budgets for the sequences verified this step; those given depth > 0 are sent their
@@ -396,8 +397,8 @@ class Engine:
         if self.policy.quiet(len(going)):  # speculation off, nothing due: no budgets to give
             for seq in going:
                 seq.budget, seq.asked = NO_DRAFT, False
-            self.policy.sent(0)
-            self._retire(finished, [])
+            if finished:
+                self._retire(finished, [])
             return
         limits = [s.tree_budget(self.tree_budget) for s in going]
         greedy = [s.params.temperature == 0 for s in going]

@@ -41,6 +41,22 @@ class CostFit:
                 self.xty /= self._weight
                 self._weight = 1.0
 
+    def add_rows(self, features: np.ndarray, y: np.ndarray) -> None:
+        """`add` of several rows ([rows, n] features), in order, folded at once."""
+        if not len(y):
+            return
+        self._fold()
+        weights = self._weight / self.decay ** np.arange(1, len(y) + 1, dtype=float)
+        self._weight = float(weights[-1])
+        x = np.hstack([np.ones((len(y), 1)), features])
+        weighted = x.T * weights
+        self.xtx += weighted @ x
+        self.xty += weighted @ y
+        if self._weight > 1e100:
+            self.xtx /= self._weight
+            self.xty /= self._weight
+            self._weight = 1.0
+
     def _fold(self) -> None:
         if not self._rows:
             return
@@ -102,6 +118,17 @@ class RoundCost:
                 self.forward.add(features[:1], forward_s)
             round_s -= forward_s
         self.rest.add(features, round_s)
+
+    def add_rows(
+        self, tokens: np.ndarray, round_s: np.ndarray, forward_s: np.ndarray, decode: np.ndarray
+    ) -> None:
+        """`add` of several rounds in which nobody was asked to draft (features (N, 0, 0)), in
+        order; `forward_s` NaN where not timed, `decode` False where prompt chunks rode along."""
+        timed = ~np.isnan(forward_s)
+        fitted = timed & decode
+        self.forward.add_rows(tokens[fitted, None], forward_s[fitted])
+        rest = round_s - np.where(timed, forward_s, 0.0)
+        self.rest.add_rows(np.stack([tokens, np.zeros_like(tokens), np.zeros_like(tokens)], axis=1), rest)
 
     def solve(self) -> tuple[float, ...]:
         (a1, b1), (a2, b2, r, s) = self.forward.solve(), self.rest.solve()

@@ -5,6 +5,8 @@ while it measures less."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from outrider.target_worker.policy_config import PolicyConfig, PolicyStats
 
 
@@ -30,6 +32,16 @@ class GoodputCheck:
             kept, decay = self.kinds[self.planned], self.config.goodput_decay
             for i, value in enumerate((committed, worth, 1.0)):
                 kept[i] = decay * kept[i] + value
+
+    def record_rows(self, committed: np.ndarray, worth: np.ndarray) -> None:
+        """`record` of several rounds without prompt chunks, in order, at once."""
+        if self.planned is None or not len(committed):
+            return
+        kept, decay = self.kinds[self.planned], self.config.goodput_decay
+        weights = decay ** np.arange(len(committed) - 1, -1, -1.0)  # the last round's is 1
+        scale = decay ** len(committed)
+        for i, value in enumerate((float(weights @ committed), float(weights @ worth), float(weights.sum()))):
+            kept[i] = scale * kept[i] + value
 
     def vetoed(self, rounds: int) -> bool:
         """Whether drafting is vetoed this round: drafting rounds measured more than

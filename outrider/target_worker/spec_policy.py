@@ -113,6 +113,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         self._predicted: dict[int, float] = {}
         # The next round was announced `quiet`; `quiet` holds before `_calm_until` without deciding again.
         self._quiet, self._calm_until = False, 0
+        self._quiet_log: list[tuple[float, float, float, float]] = []  # (`policy_quiet`)
         width = (ceiling.max_nodes - 1) / depth if ceiling.max_depth else 0.0
         self._nodes = [1 + min(ceiling.max_nodes - 1, k * width) for k in range(depth + 1)]
         self._node_counts = [int(round(n)) for n in self._nodes]  # a depth's budget nodes
@@ -129,6 +130,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
     ) -> list[TreeBudget]:
         """Next round's budget per sequence; `limits` are each one's own ceiling (rows, max_tokens);
         `greedy`, whether each decodes greedily (its batch-wide prior; None: all greedy)."""
+        self._fold_quiet()
         self._quiet, self._calm_until = False, 0
         if not seq_ids:
             return []
@@ -192,6 +194,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         """One round's evidence: each verified sequence's draft outcome, and what it cost;
         `draft_nodes`, each tree's nodes below the root (None: chains, as deep as many);
         `forward_s`, the part of `round_s` the forward and verification took (`RoundCost`)."""
+        self._fold_quiet()
         config = self.config
         committed = sum(o[4] for o in outcomes)
         worth, plain_s = self._measure(len(outcomes), committed, round_s + draft_wait_s, prefill_tokens)
@@ -230,6 +233,8 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
                     self._next_solve, self._solve_interval = self.rounds, config.resolve_every
                 else:
                     self._chain = 0
+                    if accepted:  # evidence all the same: weighed at a solve as it was before
+                        self._next_solve = min(self._next_solve, self.rounds + config.max_resolve_every)
             # A tree shorter than its budget (a lookup that matched little, or nothing: depth 0)
             # counts in `drafted`, not as tokens lost: asking cost less than the budget's nodes.
             self.deepest_seen = max(self.deepest_seen, depth)
@@ -282,10 +287,12 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         forward_s: float | None = None,
     ) -> None:
         """`observe`, from the engine's round: what each sequence's draft earned, what it cost."""
+        if self._quiet and not self._shadows:  # nobody was asked to draft (`quiet`)
+            self.observe_quiet(len(trees), plan.num_prefill_tokens, round_s, forward_s)
+            return
         budgets = self._shadow_round(verified, draft_wait_s)  # (a shadow draft is no draft)
-        if self._quiet:  # nobody was asked to draft (`quiet`): a root-only tree commits one token
-            n, prefill = len(trees), plan.num_prefill_tokens
-            self.observe_quiet(n, n, n + prefill, round_s, prefill, forward_s)
+        if self._quiet:
+            self.observe_quiet(len(trees), plan.num_prefill_tokens, round_s, forward_s)
             return
         output = result.num_output_tokens.tolist()[: len(trees)]  # (after them: prompts that finished)
         nodes = [tree.parents.shape[0] - 1 for tree in trees]  # below the root
@@ -411,11 +418,15 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             if pick and self._solved is not None and self._solved[0] == 0:
                 for kind in self._kinds:
                     self._note_find(kind)
+            # While off, a solve learns nothing new but for the cost fits' drift: what could
+            # turn drafting on is a kept probe, or a sequence allowed deeper than the last
+            # solve weighed, and either asks for a solve at once. Spaced as wide as probes
+            # (eagle3 at T = 1, batch 1: a solve and the fold of the quiet rounds before it
+            # took ~0.5 ms, every 64 rounds, ~0.5% of the time).
+            widest = self.config.max_resolve_every if pick else 4 * self.config.max_probe_every
             same = self._solved is not None and pick == self._solved[0]
             self._solve_interval = (
-                min(2 * self._solve_interval, self.config.max_resolve_every)
-                if same
-                else self.config.resolve_every
+                min(2 * self._solve_interval, widest) if same else self.config.resolve_every
             )
             self._solved, self._next_solve = (pick, self._lam), self.rounds + self._solve_interval
             self._solved_cap = max(ceiling, default=0)

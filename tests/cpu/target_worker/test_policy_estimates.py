@@ -31,6 +31,40 @@ def test_the_cost_fit_forgets_old_rows_and_survives_long_runs_between_solves():
     assert fit.solve() == pytest.approx((3.0, 0.5), rel=1e-3)
 
 
+def test_rows_added_at_once_leave_the_sums_added_one_by_one_would():
+    """`add_rows` (the quiet rounds' fold, `policy_quiet`) against `add`, across the rescaling
+    of the decay weights (decay 0.8: past 1e100 every ~1030 rows)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 17, size=(3000, 2)).astype(float)
+    y = 1e-3 + 2e-4 * x[:, 0] + 5e-5 * x[:, 1] + rng.normal(0, 1e-5, 3000)
+    one, many = CostFit(2, decay=0.8), CostFit(2, decay=0.8)
+    for i in range(3000):
+        one.add(tuple(x[i]), y[i])
+        if (i + 1) % 500 == 0:
+            one.solve()
+    for start in range(0, 3000, 500):
+        many.add_rows(x[start : start + 500], y[start : start + 500])
+        many.solve()
+    assert many.solve() == pytest.approx(one.solve(), rel=1e-9)
+    assert many.xtx / many._weight == pytest.approx(one.xtx / one._weight, rel=1e-9)
+
+
+def test_goodput_rounds_recorded_at_once_as_one_by_one():
+    from outrider.target_worker.policy_config import PolicyConfig, PolicyStats
+    from outrider.target_worker.policy_goodput import GoodputCheck
+
+    checks = [GoodputCheck(PolicyConfig(), PolicyStats()) for _ in range(2)]
+    for check in checks:
+        check.planned = False
+        check.record(3, 2.5, 0)
+    committed, worth = np.array([1.0, 2.0, 1.0, 4.0]), np.array([1.1, 1.9, 0.8, 3.5])
+    for c, w in zip(committed, worth, strict=True):
+        checks[0].record(int(c), float(w), 0)
+    checks[1].record_rows(committed, worth)
+    assert checks[1].kinds[False] == pytest.approx(checks[0].kinds[False], rel=1e-12)
+    assert checks[1].kinds[True] == [0.0, 0.0, 0.0]
+
+
 def test_rates_start_from_the_batch_and_move_to_the_sequence():
     """A new sequence (no counts) gets the batch's rate; one with many of its own, its own."""
     glob, own = DraftCounts.empty(2), DraftCounts.empty(2)
