@@ -104,35 +104,57 @@ class RoundCost:
     rest whole.
     On an accelerator the forward runs asynchronously: what it has not finished when
     verification returns is waited for later in the round, and lands in the rest's b.
+
+    The forward's line has a term per sequence verified, u B, as well: in a served replica
+    the round's outputs are streamed by the event loop's thread while the engine's thread
+    runs the next forward, on the same core, so each sequence's chunk (its queue hand-off,
+    serialisation, the stream) lengthens the forward whatever the sequence drafted. Fitted
+    on tokens alone, that cost read as a cost per token and priced every draft token with it:
+    over HTTP at concurrency 16-64 (draft_model and ngram co-located, T = 0) fixed K = 1-2
+    ran 1.3-1.4x off where adaptive, drafting little, ran 1.1x. u is told from b where the
+    batch's size moves apart from its tokens (requests come and go, depths vary); in one
+    process at batch 1 it is part of a. It costs every sequence alike, so it enters the
+    choice as a fixed cost of the round: more tokens a round amortise it.
     """
 
     def __init__(self, decay: float):
-        self.forward, self.rest = CostFit(1, decay), CostFit(3, decay)
-        self._coefficients = (0.0, 0.0, 0.0, 0.0)
+        self.forward, self.rest = CostFit(2, decay), CostFit(3, decay)
+        self._coefficients = (0.0, 0.0, 0.0, 0.0, 0.0)
 
     def add(
         self, features: Seq[float], round_s: float, forward_s: float | None = None, prefill: bool = False
     ) -> None:
+        """`features`: (N, A, D, B), B the sequences verified (decoding ones)."""
         if forward_s is not None:
             if not prefill:  # (a prompt chunk's tokens cost a fraction of a decode round's each)
-                self.forward.add(features[:1], forward_s)
+                self.forward.add((features[0], features[3]), forward_s)
             round_s -= forward_s
-        self.rest.add(features, round_s)
+        self.rest.add(features[:3], round_s)
 
     def add_rows(
-        self, tokens: np.ndarray, round_s: np.ndarray, forward_s: np.ndarray, decode: np.ndarray
+        self,
+        tokens: np.ndarray,
+        seqs: np.ndarray,
+        round_s: np.ndarray,
+        forward_s: np.ndarray,
+        decode: np.ndarray,
     ) -> None:
-        """`add` of several rounds in which nobody was asked to draft (features (N, 0, 0)), in
-        order; `forward_s` NaN where not timed, `decode` False where prompt chunks rode along."""
+        """`add` of several rounds in which nobody was asked to draft (features (N, 0, 0, B)),
+        in order; `forward_s` NaN where not timed, `decode` False where prompt chunks rode along."""
         timed = ~np.isnan(forward_s)
         fitted = timed & decode
-        self.forward.add_rows(tokens[fitted, None], forward_s[fitted])
+        self.forward.add_rows(np.stack([tokens[fitted], seqs[fitted]], axis=1), forward_s[fitted])
         rest = round_s - np.where(timed, forward_s, 0.0)
         self.rest.add_rows(np.stack([tokens, np.zeros_like(tokens), np.zeros_like(tokens)], axis=1), rest)
 
+    def plain_seconds(self, num_seqs: float) -> float:
+        """A decode round of `num_seqs` sequences without drafts: verify(B), fitted."""
+        a, b, _, _, u = self._coefficients
+        return a + (b + u) * num_seqs
+
     def solve(self) -> tuple[float, ...]:
-        (a1, b1), (a2, b2, r, s) = self.forward.solve(), self.rest.solve()
-        self._coefficients = (a1 + a2, b1 + b2, r, s)
+        (a1, b1, u), (a2, b2, r, s) = self.forward.solve(), self.rest.solve()
+        self._coefficients = (a1 + a2, b1 + b2, r, s, u)
         return self._coefficients
 
     def coefficients(self) -> tuple[float, ...]:

@@ -73,10 +73,9 @@ class Quiet:
         rounds = np.array(self._quiet_log)
         self._quiet_log.clear()
         n, prefill, seconds, forward = rounds.T
-        a, b, *_ = self.verify_cost.coefficients()
-        plain_s = a + b * n
+        plain_s = self.verify_cost.plain_seconds(n)
         worth = seconds * n / np.where(plain_s > 0, plain_s, 1.0)
         decode = prefill == 0
         self.check.record_rows(n[decode], worth[decode])  # (prompt chunks would blur the rate)
-        self.verify_cost.add_rows(n + prefill, seconds, forward, decode)
+        self.verify_cost.add_rows(n + prefill, n, seconds, forward, decode)
         self._probing = False

@@ -58,8 +58,8 @@ class Shadowing:
         loss = self._probe_loss(True)
         if loss is None:
             return False
-        a, b, ask, _ = self.verify_cost.coefficients()
-        plain_s = a + b * num_seqs
+        ask = self.verify_cost.coefficients()[2]
+        plain_s = self.verify_cost.plain_seconds(num_seqs)
         if plain_s <= 0:
             return False
         if self._shadow_s is None:

@@ -6,7 +6,7 @@ for each decoding sequence's TreeBudget (depth k; k = 0 verifies the root only),
 batch's expected committed tokens per second is highest:
 
     tokens(k_s)  = 1 + sum_{i=1..k_s} prod_{d=1..i} delta_s,d alpha_s,d   survival along the draft
-    seconds      = verify(N, A, D) + draft(max_s k_s, U, sum_s k_s)   N = sum_s nodes_s(k_s) + prefill
+    seconds      = verify(N, B, A, D) + draft(max_s k_s, U, sum_s k_s)   N = sum_s nodes_s(k_s) + prefill
     maximise       sum_s tokens(k_s) / seconds
 
 - alpha_s,d: the chance a draft reaching depth d - 1 also keeps depth d, and delta_s,d the
@@ -15,9 +15,10 @@ batch's expected committed tokens per second is highest:
   drafter is expected to fill times the nodes per depth its trees carried (at most the
   budget's): a drafter that mostly proposes nothing, or narrower trees than allowed, costs
   what it drafts (`policy_estimates.expected_gains`);
-- verify(N, A, D) = a + b N + r A + s D: a round's seconds outside `collect` against the
-  tokens its forward carries (prefill chunks included), the A sequences asked to draft and
-  the D of them whose trees carry drafts, fitted online; draft(m, U, K) = c + e m + g U + h K:
+- verify(N, B, A, D) = a + b N + u B + r A + s D: a round's seconds outside `collect` against
+  the tokens its forward carries (prefill chunks included), the B sequences it verifies
+  (u: what each costs whatever it drafts, a served replica streaming its chunk meanwhile),
+  the A sequences asked to draft and the D of them whose trees carry drafts, fitted online; draft(m, U, K) = c + e m + g U + h K:
   the time the engine waits in `collect` when the deepest budget is m, the drafter was sent U
   tokens to catch up on (a sequence drafting every round sends what it committed) and asked
   for K draft tokens in all (a batched draft model's step costs more with more rows), 0 when
@@ -247,7 +248,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             glob.add(budget_depth, depth, accepted, config.global_decay)
         shadows = sum(o[0] in self.shadowed for o in outcomes)  # asked as well (`policy_shadow`)
         self.verify_cost.add(
-            (forward_tokens, asked + shadows, drafted), round_s, forward_s, prefill_tokens > 0
+            (forward_tokens, asked + shadows, drafted, len(outcomes)), round_s, forward_s, prefill_tokens > 0
         )
         if deepest_budget > 0:  # with no budget anywhere the engine does not collect at all
             self.draft_cost.add((deepest_budget, self._sent, sum(o[1] for o in outcomes)), draft_wait_s)
@@ -260,8 +261,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         (what plain decoding would have committed in its time: B tokens per verify(B)), and
         verify(B)."""
         self.rounds += 1
-        a, b, *_ = self.verify_cost.coefficients()
-        plain_s = a + b * num_seqs
+        plain_s = self.verify_cost.plain_seconds(num_seqs)
         worth = seconds * num_seqs / (plain_s if plain_s > 0 else 1.0)
         self.check.record(committed, worth, prefill_tokens)
         off = self.check.off
@@ -387,10 +387,10 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         if due:
             self.verify_cost.solve()
             self.draft_cost.solve()
-        a, b, ask, overhead = self.verify_cost.coefficients()
+        a, b, ask, overhead, u = self.verify_cost.coefficients()
         c, e, g, h = self.draft_cost.coefficients()
         seconds = sequence_seconds(rows, b, ask, overhead, g, h)
-        fixed_s = a + b * prefill_tokens
+        fixed_s = a + b * prefill_tokens + u * len(rows)  # (u: every sequence's, whatever its depth)
 
         def best(m: int) -> tuple[float, list[int]]:
             return dinkelbach(rows, seconds, ceiling, m, fixed_s + (c + e * m if m else 0.0), self._lam)

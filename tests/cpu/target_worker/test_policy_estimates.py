@@ -138,18 +138,23 @@ def test_dinkelbach_finds_the_best_deepest_budget_and_depths():
 def test_round_cost_tells_the_token_cost_from_the_drafting_sequence_cost():
     """Every drafting sequence drafts 8 (N = B + 8 D): one fit of the whole round cannot tell
     b from s; the forward, timed apart and fitted on its tokens, can. Prompt chunks, whose
-    tokens cost a fraction of a tree's, stay out of the forward's line."""
+    tokens cost a fraction of a tree's, stay out of the forward's line. A cost per sequence
+    in the forward (a served replica streaming each sequence's chunk meanwhile) is told from
+    the cost per token, not priced on every draft token."""
     from outrider.target_worker.policy_estimates import RoundCost
 
     cost = RoundCost(0.98)
-    b, s, a_fwd, a_rest = 3e-4, 2e-4, 1e-3, 2e-4
+    b, s, u, a_fwd, a_rest = 3e-4, 2e-4, 5e-4, 1e-3, 2e-4
     for batch in (1, 2, 4, 1, 3) * 10:
         for drafting in range(batch + 1):
             n = batch + 8 * drafting
-            forward = a_fwd + b * n
-            cost.add((n, drafting, drafting), forward + a_rest + s * drafting, forward)
-        cost.add((batch + 48, 0, 0), a_fwd + 2e-5 * (batch + 48) + a_rest, a_fwd + 2e-5 * (batch + 48), True)
-    a, b_fit, r, s_fit = cost.solve()
+            forward = a_fwd + b * n + u * batch
+            cost.add((n, drafting, drafting, batch), forward + a_rest + s * drafting, forward)
+        chunk = a_fwd + 2e-5 * (batch + 48) + u * batch
+        cost.add((batch + 48, 0, 0, batch), chunk + a_rest, chunk, True)
+    a, b_fit, r, s_fit, u_fit = cost.solve()
     assert b_fit == pytest.approx(b, rel=0.05)
+    assert u_fit == pytest.approx(u, rel=0.05)
+    assert cost.plain_seconds(4) == pytest.approx(a_fwd + a_rest + (b + u) * 4, rel=0.05)
     assert r + s_fit == pytest.approx(s, rel=0.1)  # asked and drafting sequences: always together here
     assert a == pytest.approx(a_fwd + a_rest, rel=0.1)

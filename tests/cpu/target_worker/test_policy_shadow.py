@@ -45,8 +45,8 @@ def shadowing_policy(shadow_cost_s: float = 1e-5) -> SpeculationPolicy:
         policy._note_probe(True, gain, 2.0)
     policy._note_find(True)
     for _ in range(20):
-        policy.verify_cost.add((1, 0, 0), 2e-3)
-        policy.verify_cost.add((9, 1, 1), 2.4e-3)
+        policy.verify_cost.add((1, 0, 0, 1), 2e-3)
+        policy.verify_cost.add((9, 1, 1, 1), 2.4e-3)
         policy.draft_cost.add((8, 0, 8), shadow_cost_s)
         policy.draft_cost.add((1, 0, 1), shadow_cost_s)
     policy.verify_cost.solve()
