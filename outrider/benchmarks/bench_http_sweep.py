@@ -1,6 +1,6 @@
 """Speculation over HTTP against speculation off: the adaptive policy beside fixed K.
 
-    python -m outrider.benchmarks.bench_http_sweep --size small     # benchmarks/results/http_sweep_small.md (committed per method: http_sweep_small_<method>*.md)
+    python -m outrider.benchmarks.bench_http_sweep --size small     # benchmarks/results/http_sweep_small.md (committed per run, renamed: http_sweep_small_<method or placement>*.md)
     python -m outrider.benchmarks.bench_http_sweep --size tiny --concurrency 1,4 --ks 2 --methods ngram
 
 One local Ray; `off` (speculation off) is up for the whole run, and for each method in
