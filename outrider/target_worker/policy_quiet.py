@@ -8,7 +8,7 @@ probes (`_next_probe`, `_next_solve`, `_calm_until`), the goodput check, the cos
 Inside a calm stretch (quiet until `_calm_until`) a round costs the policy a comparison in
 `quiet` and an append in `observe_quiet`: its measurements are logged and folded into the
 goodput check and the cost fits in one vectorised pass (`_fold_quiet`) before anything reads
-them (the next `budgets`, `quiet` past the stretch, `observe`, a finished sequence). Folded
+them (the next `budgets`, `quiet` past the stretch, `observe`). Folded
 in order, they leave the same sums as round by round. Measured at batch 1 on the small demo
 (suffix, T = 1, speculation off), the per-round path it replaces cost ~30 us of a ~1.45 ms
 round, ~2% beside plain decoding.

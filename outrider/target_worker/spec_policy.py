@@ -18,11 +18,11 @@ batch's expected committed tokens per second is highest:
 - verify(N, B, A, D) = a + b N + u B + r A + s D: a round's seconds outside `collect` against
   the tokens its forward carries (prefill chunks included), the B sequences it verifies
   (u: what each costs whatever it drafts, a served replica streaming its chunk meanwhile),
-  the A sequences asked to draft and the D of them whose trees carry drafts, fitted online; draft(m, U, K) = c + e m + g U + h K:
-  the time the engine waits in `collect` when the deepest budget is m, the drafter was sent U
-  tokens to catch up on (a sequence drafting every round sends what it committed) and asked
-  for K draft tokens in all (a batched draft model's step costs more with more rows), 0 when
-  no sequence drafts;
+  the A sequences asked to draft and the D of them whose trees carry drafts, fitted online;
+  draft(m, U, K) = c + e m + g U + h K: the time the engine waits in `collect` when the
+  deepest budget is m, the drafter was sent U tokens to catch up on (a sequence drafting
+  every round sends what it committed) and asked for K draft tokens in all (a batched draft
+  model's step costs more with more rows), 0 when no sequence drafts;
 - Dinkelbach's iteration finds the maximum; sequences not speculating are probed on shared
   rounds spaced by what a probe costs, as deep as pays for a sequence known only by the
   batch-wide counts (`_probed`, `_probe_depth`), and greedy ones, where it pays, shadowed:
@@ -287,13 +287,11 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         forward_s: float | None = None,
     ) -> None:
         """`observe`, from the engine's round: what each sequence's draft earned, what it cost."""
-        if self._quiet and not self._shadows:  # nobody was asked to draft (`quiet`)
+        if self._quiet:  # nobody was asked to draft (`quiet`); shadows asked before still settle
+            self._score_shadows(verified)
             self.observe_quiet(len(trees), plan.num_prefill_tokens, round_s, forward_s)
             return
         budgets = self._shadow_round(verified, draft_wait_s)  # (a shadow draft is no draft)
-        if self._quiet:
-            self.observe_quiet(len(trees), plan.num_prefill_tokens, round_s, forward_s)
-            return
         output = result.num_output_tokens.tolist()[: len(trees)]  # (after them: prompts that finished)
         nodes = [tree.parents.shape[0] - 1 for tree in trees]  # below the root
         outcomes = [

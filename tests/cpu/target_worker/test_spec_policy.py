@@ -47,6 +47,23 @@ def test_cheap_drafts_that_are_kept_run_deep():
     assert min(chosen.values()) >= 5
 
 
+def test_a_cost_per_sequence_is_a_fixed_cost_of_the_round():
+    """u B (each sequence's cost whatever it drafts: a served replica streaming its chunk)
+    makes a round dearer whatever the depths, so more tokens a round pay where, priced per
+    token instead, they would not: the same batch drafts with it and not without."""
+
+    def depths(u: float) -> list[int]:
+        policy = SpeculationPolicy(CEILING)
+        simulate(policy, {i: 0.6 for i in range(4)}, rounds=60)
+        coefficients = (1e-3, 1e-3, 1e-4, 1e-4, u)  # a, b, r, s, u
+        policy.verify_cost.solve = policy.verify_cost.coefficients = lambda: coefficients
+        policy._next_solve = policy.rounds  # a full solve
+        return policy._depths(policy._gain(range(4)), [CEILING.max_depth] * 4, 0)
+
+    assert sum(depths(0.0)) == 0
+    assert min(depths(5e-3)) >= 1
+
+
 def test_costly_drafts_that_are_lost_are_turned_off():
     # Verify cost grows steeply with tokens (a compute-bound CPU) and drafting is expensive.
     policy = SpeculationPolicy(CEILING)
