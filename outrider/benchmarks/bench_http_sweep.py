@@ -56,7 +56,13 @@ def spec_counters(base: str) -> dict[str, float]:
     """Drafts, accepted tokens and accepted tokens per position, summed over the app's /metrics."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=60) as response:
         page = response.read().decode()
-    totals: dict[str, float] = {"drafts": 0.0, "accepted": 0.0}
+    totals: dict[str, float] = {
+        "drafts": 0.0,
+        "accepted": 0.0,
+        "depth_sum": 0.0,
+        "depth_count": 0.0,
+        "depth0": 0.0,
+    }
     for line in page.splitlines():
         if line.startswith("#"):
             continue
@@ -65,6 +71,12 @@ def spec_counters(base: str) -> dict[str, float]:
             totals["drafts"] += value
         elif name == "outrider:spec_decode_num_accepted_tokens_total":
             totals["accepted"] += value
+        elif name == "outrider:spec_decode_draft_depth_sum":
+            totals["depth_sum"] += value
+        elif name == "outrider:spec_decode_draft_depth_count":
+            totals["depth_count"] += value
+        elif name == "outrider:spec_decode_draft_depth_bucket" and 'le="0"' in line:
+            totals["depth0"] += value
         elif name == "outrider:spec_decode_num_accepted_tokens_per_pos_total":
             position = line.split('position="', 1)[1].split('"', 1)[0]
             totals[f"pos{position}"] = totals.get(f"pos{position}", 0.0) + value
@@ -141,6 +153,7 @@ def level_figures(blocks: list[tuple[list, float, dict, dict]]) -> dict:
     itl = [1000 * gap for r in records for gap in r.itl_s]
     drafts = after["drafts"] - before["drafts"]
     positions = sorted((int(k[3:]), after[k] - before.get(k, 0.0)) for k in after if k.startswith("pos"))
+    rounds = after.get("depth_count", 0.0) - before.get("depth_count", 0.0)
     return {
         "output_tok_s": tokens / wall,
         "ttft_ms_median": statistics.median(ttft),
@@ -151,6 +164,9 @@ def level_figures(blocks: list[tuple[list, float, dict, dict]]) -> dict:
         "itl_ms_p99": percentile(itl, 0.99),
         "acceptance_length": 1 + (after["accepted"] - before["accepted"]) / drafts if drafts else None,
         "per_position_acceptance": [round(n / drafts, 3) for _, n in positions if n] if drafts else None,
+        # The policy's budgets over the level's sequence-rounds: mean depth, and the share at 0.
+        "mean_budget_depth": (after["depth_sum"] - before.get("depth_sum", 0.0)) / rounds if rounds else None,
+        "budget_off_share": (after["depth0"] - before.get("depth0", 0.0)) / rounds if rounds else None,
     }
 
 

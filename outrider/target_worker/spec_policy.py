@@ -80,6 +80,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         self.verify_cost = RoundCost(self.config.cost_decay)
         self.draft_cost = CostFit(3, self.config.cost_decay)
         self._sent = 0  # tokens sent with the requests the next collect answers
+        self._drafted_round = 0  # the round of the draft-cost fit's last row
         self.deepest_seen = 0  # the drafter may draft less than the ceiling: never plan past it + 1
         # Decayed: draft nodes the trees carried, and their depths. Their ratio is the drafter's
         # width (a lookup's tree is as wide as its matches, not its budget): a tree's expected
@@ -251,7 +252,12 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             (forward_tokens, asked + shadows, drafted, len(outcomes)), round_s, forward_s, prefill_tokens > 0
         )
         if deepest_budget > 0:  # with no budget anywhere the engine does not collect at all
-            self.draft_cost.add((deepest_budget, self._sent, sum(o[1] for o in outcomes)), draft_wait_s)
+            self.draft_cost.add(
+                (deepest_budget, self._sent, sum(o[1] for o in outcomes)),
+                draft_wait_s,
+                self.rounds - self._drafted_round,
+            )
+            self._drafted_round = self.rounds
         self._sent = 0
 
     def _measure(

@@ -58,3 +58,31 @@ def test_rotated_levels_mirror_the_order_and_merge_each_applications_blocks(monk
     assert measured["K2"]["output_tok_s"] == 8 * 30 / 4.0
     assert measured["off"]["acceptance_length"] is None
     assert measured["K2"]["acceptance_length"] == 1.5  # counters summed over the blocks
+
+
+def test_the_metrics_page_gives_the_policys_budgets_per_level(monkeypatch):
+    """Mean budget depth and the share of sequence-rounds at depth 0, from the
+    spec_decode_draft_depth histogram's deltas over the level."""
+    import io
+
+    from outrider.benchmarks import bench_http_sweep as sweep
+
+    def page(counts):  # sequence-rounds per depth 0, 1, 2
+        cumulative, lines = 0, ["# TYPE outrider:spec_decode_draft_depth histogram"]
+        for depth, n in enumerate(counts):
+            cumulative += n
+            lines.append(
+                f'outrider:spec_decode_draft_depth_bucket{{model_name="m",le="{depth}"}} {cumulative}'
+            )
+        lines.append(f'outrider:spec_decode_draft_depth_count{{model_name="m"}} {cumulative}')
+        lines.append(f'outrider:spec_decode_draft_depth_sum{{model_name="m"}} {counts[1] + 2 * counts[2]}')
+        return "\n".join(lines).encode()
+
+    pages = iter([page([10, 0, 5]), page([16, 0, 7])])  # over the level: 6 at 0, 2 at depth 2
+    monkeypatch.setattr(sweep.urllib.request, "urlopen", lambda *a, **k: io.BytesIO(next(pages)))
+    before, after = sweep.spec_counters("x"), sweep.spec_counters("x")
+    from outrider.benchmarks.loadgen import RequestRecord
+
+    record = RequestRecord(0.0, 1.0, True, "stream", True, tokens=8, ttft_s=0.1, itl_s=[0.01])
+    figures = sweep.level_figures([([record], 1.0, before, after)])
+    assert figures["mean_budget_depth"] == 4 / 8 and figures["budget_off_share"] == 6 / 8

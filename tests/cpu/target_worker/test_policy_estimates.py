@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from outrider.target_worker.policy_estimates import CostFit, DraftCounts, expected_gains, shrunk_rates
+from outrider.target_worker.policy_estimates import (
+    CostFit,
+    DraftCounts,
+    expected_gains,
+    nonnegative_solve,
+    shrunk_rates,
+)
 
 
 def test_the_cost_fit():
@@ -29,6 +35,68 @@ def test_the_cost_fit_forgets_old_rows_and_survives_long_runs_between_solves():
         if x % 16 == 0:
             fit.solve()
     assert fit.solve() == pytest.approx((3.0, 0.5), rel=1e-3)
+
+
+def test_nonnegative_solve_is_the_constrained_minimum():
+    """Against every subset of coefficients held at 0 (the minimum over w >= 0 is the
+    unconstrained minimum of some subset that is itself >= 0), features near-collinear in a
+    third of the cases, as a and u B are at concurrency 1."""
+    import itertools
+
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        n = int(rng.integers(2, 6))
+        a = rng.normal(size=(n + int(rng.integers(0, 5)), n))
+        if trial % 3 == 0:
+            a[:, 1] = a[:, 0] * (1 + 1e-3 * rng.normal(size=len(a)))
+        q, c = a.T @ a + 1e-6 * np.eye(n), 3 * rng.normal(size=n)
+        objective = lambda w, q=q, c=c: 0.5 * w @ q @ w - c @ w  # noqa: E731
+        best = 0.0  # w = 0
+        for keep in itertools.product([False, True], repeat=n):
+            idx = np.flatnonzero(keep)
+            if len(idx):
+                z = np.zeros(n)
+                z[idx] = np.linalg.solve(q[np.ix_(idx, idx)], c[idx])
+                if (z >= 0).all():
+                    best = min(best, objective(z))
+        w = nonnegative_solve(q, c)
+        assert (w >= 0).all()
+        assert objective(w) == pytest.approx(best, abs=1e-9 * (1 + abs(best)))
+
+
+def test_the_cost_fit_refits_instead_of_clipping_where_features_move_together():
+    """y = 1 + 0.5 x with a second feature equal to the intercept's column but for a few
+    rows: unconstrained, the noise splits them as (-1.6, +2.7)-like pairs; clipping the
+    negative one at 0 mispriced every row by its size. A non-negative refit stays on the data."""
+    rng = np.random.default_rng(1)
+    fit = CostFit(2, decay=1.0)
+    for i in range(200):
+        x = float(rng.integers(1, 9))
+        b = 1.0 if i % 50 else 2.0  # a sequence count that almost never moves
+        y = 2.0 + 0.5 * x + rng.normal(0, 0.05) + (-1.0 if b == 2.0 else 0.0)  # pulls u negative
+        fit.add((x, b), y)
+    w = fit.solve()
+    assert min(w) >= 0
+    residuals = [abs(w[0] + w[1] * x + w[2] * 1.0 - (2.0 + 0.5 * x)) for x in range(1, 9)]
+    assert max(residuals) < 0.1  # (clipped, the fit is off by the clipped coefficient's share)
+
+
+def test_a_fit_fed_on_some_rounds_forgets_by_rounds():
+    """The drafter's wait is measured only in rounds that draft: 50 rows at 2.5 ms (a
+    server's first, noisy rounds), 600 rounds without drafts, then 3 rows at 0.5 ms. Decayed
+    by rows, the old ones still outweigh the new; by rounds (`elapsed`), the new ones lead."""
+    by_rows, by_rounds = CostFit(1, decay=0.98), CostFit(1, decay=0.98)
+    for fit in (by_rows, by_rounds):
+        for i in range(50):
+            fit.add((float(i % 8 + 1),), 2.5e-3)
+        fit.solve()
+    for i in range(3):
+        by_rows.add((float(i + 1),), 0.5e-3)
+        by_rounds.add((float(i + 1),), 0.5e-3, elapsed=600 if i == 0 else 1)
+    by_rows.solve(), by_rounds.solve()
+    predict = lambda fit: fit.coefficients()[0] + 4 * fit.coefficients()[1]  # noqa: E731
+    assert predict(by_rows) > 2e-3
+    assert predict(by_rounds) == pytest.approx(0.5e-3, rel=0.05)
 
 
 def test_rows_added_at_once_leave_the_sums_added_one_by_one_would():
