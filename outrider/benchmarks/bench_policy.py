@@ -45,9 +45,11 @@ def specs(method: str, family, recording: Path) -> dict:
 
 
 def run_once(
-    runner, prompts, spec, mode: str, temperature: float, max_tokens: int, policies: dict, seed: int = 0
-) -> dict:
-    """One batch of seeded requests in `mode`. The adaptive policy in `policies[mode]` carries
+    runner, prompts, spec, mode: str, temperature: float, max_tokens: int, policies: dict, seed: int = 0,
+    batch: int | None = None,
+) -> dict:  # fmt: skip
+    """Seeded requests in `mode`, `batch` at a time (None: all at once), one after another
+    (a run of one 64-token request lasted ~80 ms: too short to time). The adaptive policy in `policies[mode]` carries
     over from run to run, as in a long-running server (a fresh one spends its first rounds
     measuring every depth). `seed` seeds the replay drafter's corruptions: each repeat draws
     afresh (with one seed every repeat of a fixed K would keep exactly the same tokens)."""
@@ -67,7 +69,7 @@ def run_once(
         runner,
         source,
         eos_token_id=None,
-        max_batch=len(prompts),
+        max_batch=batch or len(prompts),
         tree_budget=TreeBudget(max_nodes=depth + 1, max_depth=max(depth, 1), top_k=1),
         budget_policy="adaptive" if mode == "adaptive" else "fixed",
     )
@@ -78,8 +80,11 @@ def run_once(
         for i in range(len(prompts))
     ]
     before = list(engine.policy.stats.depth_counts) if engine.policy is not None else None
+    size = batch or len(prompts)
     started = time.perf_counter()
-    completions = engine.generate(prompts, params)
+    completions = []
+    for first in range(0, len(prompts), size):
+        completions += engine.generate(prompts[first : first + size], params[first : first + size])
     elapsed = time.perf_counter() - started
     spec_stats, policy = engine.stats.spec, engine.policy
     drafts = max(spec_stats.num_drafts, 1)
@@ -113,17 +118,20 @@ def ideal_speedup(acceptance: float, k: int, batch: int, line: tuple[float, ...]
     return tau * (a + b * batch) / (a + b * batch * (k + 1))
 
 
-def measure(runner, prompts, method, spec, temperature, args) -> list[dict]:
+def measure(runner, prompts, method, spec, temperature, args, batch: int) -> list[dict]:
+    """`prompts`: every run's requests, decoded `batch` at a time."""
     modes = ["plain", *(f"K{k}" for k in FIXED_KS), "adaptive"]
     samples: dict[str, list[dict]] = {m: [] for m in modes}
     policies: dict = {}
     for mode in modes:  # warm-up, unmeasured
-        run_once(runner, prompts, spec, mode, temperature, args.max_tokens, policies)
+        run_once(runner, prompts, spec, mode, temperature, args.max_tokens, policies, batch=batch)
     for repeat in range(args.repeats):
         shift = repeat % len(modes)
         for mode in modes[shift:] + modes[:shift]:
             samples[mode].append(
-                run_once(runner, prompts, spec, mode, temperature, args.max_tokens, policies, repeat + 1)
+                run_once(
+                    runner, prompts, spec, mode, temperature, args.max_tokens, policies, repeat + 1, batch
+                )
             )
     plain = [s["tokens_per_s"] for s in samples["plain"]]
     line = samples["adaptive"][0]["verify_line"]
@@ -133,7 +141,8 @@ def measure(runner, prompts, method, spec, temperature, args) -> list[dict]:
         row = {
             "method": method if mode != "plain" else "plain",
             "temperature": temperature,
-            "batch": len(prompts),
+            "batch": batch,
+            "requests": len(prompts),
             "mode": mode,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "speedup_vs_plain": statistics.median(
@@ -148,7 +157,7 @@ def measure(runner, prompts, method, spec, temperature, args) -> list[dict]:
         if method.startswith("replay-") and temperature == 0 and mode != "plain":
             acceptance = float(method.split("-")[1])
             ks = FIXED_KS if mode == "adaptive" else (int(mode[1:]),)
-            row["ideal_speedup"] = max(ideal_speedup(acceptance, k, len(prompts), line) for k in ks)
+            row["ideal_speedup"] = max(ideal_speedup(acceptance, k, batch, line) for k in ks)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -160,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperatures", default="0,1", type=lambda s: [float(t) for t in s.split(",")])
     parser.add_argument("--batches", default="1,16", type=lambda s: [int(b) for b in s.split(",")])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=16,
+        help="requests per run, decoded `batch` at a time (default 16; at least the batch)",
+    )
     add_run_arguments(parser, max_tokens=64, prompt_tokens=48)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -171,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
 
     family = ensure_demo_family(args.size)
     most = max(args.batches)
-    prompts = mid_prompt_ids(family.tokenizer_dir, most, args.prompt_tokens)
+    prompts = mid_prompt_ids(family.tokenizer_dir, max(most, args.requests), args.prompt_tokens)
     context = args.prompt_tokens + args.max_tokens + 2 * CEILING_DEPTH + 16
     runner = ModelRunner.from_pretrained(
-        family.target_dir, max_model_len=context, kv_cache_rows=most * context
+        family.target_dir, max_model_len=context, kv_cache_rows=max(most, args.requests) * context
     )
     rows = []
     with tempfile.TemporaryDirectory() as tmp, registered():
@@ -185,10 +200,11 @@ def main(argv: list[str] | None = None) -> int:
             temperatures = [0.0] if method.startswith("replay-") else args.temperatures
             for temperature in temperatures:
                 for batch in args.batches:
-                    rows += measure(runner, prompts[:batch], method, spec, temperature, args)
+                    n = max(batch, args.requests) // batch * batch
+                    rows += measure(runner, prompts[:n], method, spec, temperature, args, batch)
     notes = (
         f"Demo family `{args.size}`, `mid` prompts of {args.prompt_tokens} tokens, {args.max_tokens} new tokens "
-        f"each, seeded requests, in-process drafters, chains, one torch thread, {args.repeats} repeats in "
+        f"each, seeded requests ({args.requests} a run, `batch` at a time), in-process drafters, chains, one torch thread, {args.repeats} repeats in "
         "rotating order after one unmeasured warm-up (medians; speedups are ratios to `plain` in the same "
         "repeat). `K<k>`: every sequence drafts k tokens every round (fixed, vLLM's behaviour); `adaptive`: "
         f"the speculation policy with ceiling {CEILING_DEPTH} (`mean_depth` = its mean chosen depth, 0 = no "
