@@ -11,7 +11,7 @@ warm-up; medians; speedups are ratios to plain within the same repeat.
 The `replay-a` methods propose the target's own recorded greedy continuation with each token
 replaced with probability 1 - a (outrider/benchmarks/replay_drafter.py): at T = 0 a K-chain keeps
 tau(K) = (1 - a^(K+1)) / (1 - a) tokens per round for next to no drafting time, so the ideal
-speedup of fixed K is tau(K) x verify(B) / verify(B (K + 1)), with verify(N) = a + b N seconds
+speedup of fixed K is tau(K) x verify(B) / verify(B (K + 1)), with verify = a + b N + u B + j J seconds
 fitted in the same run (the adaptive engine's own cost line); the report puts it beside the
 realised one, and the adaptive row beside the best fixed K.
 """
@@ -112,10 +112,12 @@ def record(runner, prompts, max_tokens: int, path: Path) -> None:
 
 def ideal_speedup(acceptance: float, k: int, batch: int, line: tuple[float, ...]) -> float:
     """tau(K) over what verifying K + 1 tokens per sequence costs against 1, from the fitted
-    round cost a + b * tokens (the per-drafting-sequence overhead is the engine's, not ideal)."""
+    round cost a + b N + u B + j J (`RoundCost`: J, a lone sequence's step to a matrix
+    product; the per-drafting-sequence overhead is the engine's, not ideal)."""
     tau = sum(acceptance**i for i in range(k + 1))
-    a, b, *_ = line
-    return tau * (a + b * batch) / (a + b * batch * (k + 1))
+    a, b, _, _, u, j = line
+    step = j if batch == 1 else 0.0
+    return tau * (a + (b + u) * batch) / (a + b * batch * (k + 1) + u * batch + step)
 
 
 def measure(runner, prompts, method, spec, temperature, args, batch: int) -> list[dict]:

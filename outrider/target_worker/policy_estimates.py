@@ -122,7 +122,7 @@ class CostFit:
 
 
 class RoundCost:
-    """A round's seconds outside `collect`, a + b N + r A + s D (N tokens in the forward, A
+    """A round's seconds outside `collect`, a + b N + u B + j J + r A + s D (N tokens in the forward, A
     sequences asked to draft, D of them with drafts), as two fits on what the engine times
     apart: the forward with verification (the model, target probabilities, the verify
     kernel: work per token) against N alone, and the rest of the round (checks, packing, the
@@ -154,11 +154,21 @@ class RoundCost:
     batch's size moves apart from its tokens (requests come and go, depths vary); in one
     process at batch 1 it is part of a. It costs every sequence alike, so it enters the
     choice as a fixed cost of the round: more tokens a round amortise it.
+
+    And a step j where a lone sequence's forward carries drafts (B = 1, N > 1): one row is a
+    matrix-vector product, two or more a matrix product. On this CPU (small family, batch 1)
+    the forward took 1.25 ms for 1 token, 1.86 for 2, 2.48 for 4, 3.46 for 9: +0.62 ms for
+    the second token, ~0.23 for each after. Priced by one slope, a policy that was off saw
+    only its 1-token rounds and its depth-1 probes (2 tokens), read b ~0.5 ms, priced a
+    4-deep draft ~1 ms over its cost, and stayed off (ngram at T = 0, where fixed K = 4 ran
+    1.34x plain) for ~400 rounds. The warm-up's depths 0 .. K tell j from b; rounds of 1 and
+    2 tokens alone cannot, and leave the split as it was. At B > 1 the forward is a matrix
+    product whether it drafts or not: no step (J = 0).
     """
 
     def __init__(self, decay: float):
-        self.forward, self.rest = CostFit(2, decay), CostFit(3, decay)
-        self._coefficients = (0.0, 0.0, 0.0, 0.0, 0.0)
+        self.forward, self.rest = CostFit(3, decay), CostFit(3, decay)
+        self._coefficients = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
     def add(
         self, features: Seq[float], round_s: float, forward_s: float | None = None, prefill: bool = False
@@ -166,7 +176,8 @@ class RoundCost:
         """`features`: (N, A, D, B), B the sequences verified (decoding ones)."""
         if forward_s is not None:
             if not prefill:  # (a prompt chunk's tokens cost a fraction of a decode round's each)
-                self.forward.add((features[0], features[3]), forward_s)
+                tokens, seqs = features[0], features[3]
+                self.forward.add((tokens, seqs, lone_step(tokens, seqs)), forward_s)
             round_s -= forward_s
         self.rest.add(features[:3], round_s)
 
@@ -179,25 +190,33 @@ class RoundCost:
         decode: np.ndarray,
     ) -> None:
         """`add` of several rounds in which nobody was asked to draft (features (N, 0, 0, B)),
-        in order; `forward_s` NaN where not timed, `decode` False where prompt chunks rode along."""
+        in order; `forward_s` NaN where not timed, `decode` False where prompt chunks rode along
+        (so every fitted one has N = B: no lone step)."""
         timed = ~np.isnan(forward_s)
         fitted = timed & decode
-        self.forward.add_rows(np.stack([tokens[fitted], seqs[fitted]], axis=1), forward_s[fitted])
+        features = np.stack([tokens[fitted], seqs[fitted], np.zeros(int(fitted.sum()))], axis=1)
+        self.forward.add_rows(features, forward_s[fitted])
         rest = round_s - np.where(timed, forward_s, 0.0)
         self.rest.add_rows(np.stack([tokens, np.zeros_like(tokens), np.zeros_like(tokens)], axis=1), rest)
 
     def plain_seconds(self, num_seqs: float) -> float:
         """A decode round of `num_seqs` sequences without drafts: verify(B), fitted."""
-        a, b, _, _, u = self._coefficients
+        a, b, _, _, u, _ = self._coefficients
         return a + (b + u) * num_seqs
 
     def solve(self) -> tuple[float, ...]:
-        (a1, b1, u), (a2, b2, r, s) = self.forward.solve(), self.rest.solve()
-        self._coefficients = (a1 + a2, b1 + b2, r, s, u)
+        """(a, b, r, s, u, j)."""
+        (a1, b1, u, j), (a2, b2, r, s) = self.forward.solve(), self.rest.solve()
+        self._coefficients = (a1 + a2, b1 + b2, r, s, u, j)
         return self._coefficients
 
     def coefficients(self) -> tuple[float, ...]:
         return self._coefficients
+
+
+def lone_step(tokens: float, seqs: float) -> float:
+    """`RoundCost`'s J: 1 where a lone sequence's forward carries drafts."""
+    return 1.0 if seqs == 1 and tokens > 1 else 0.0
 
 
 class DraftCounts:

@@ -15,10 +15,12 @@ batch's expected committed tokens per second is highest:
   drafter is expected to fill times the nodes per depth its trees carried (at most the
   budget's): a drafter that mostly proposes nothing, or narrower trees than allowed, costs
   what it drafts (`policy_estimates.expected_gains`);
-- verify(N, B, A, D) = a + b N + u B + r A + s D: a round's seconds outside `collect` against
-  the tokens its forward carries (prefill chunks included), the B sequences it verifies
-  (u: what each costs whatever it drafts, a served replica streaming its chunk meanwhile),
-  the A sequences asked to draft and the D of them whose trees carry drafts, fitted online;
+- verify(N, B, A, D) = a + b N + u B + j J + r A + s D: a round's seconds outside `collect`
+  against the tokens its forward carries (prefill chunks included), the B sequences it
+  verifies (u: what each costs whatever it drafts, a served replica streaming its chunk
+  meanwhile), whether a lone sequence's forward carries drafts (J: one row is a
+  matrix-vector product, more a matrix product), the A sequences asked to draft and the D
+  of them whose trees carry drafts, fitted online (non-negative least squares);
   draft(m, U, K) = c + e m + g U + h K: the time the engine waits in `collect` when the
   deepest budget is m, the drafter was sent U tokens to catch up on (a sequence drafting
   every round sends what it committed) and asked for K draft tokens in all (a batched draft
@@ -391,8 +393,10 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         if due:
             self.verify_cost.solve()
             self.draft_cost.solve()
-        a, b, ask, overhead, u = self.verify_cost.coefficients()
+        a, b, ask, overhead, u, j = self.verify_cost.coefficients()
         c, e, g, h = self.draft_cost.coefficients()
+        if len(rows) == 1 and not prefill_tokens:  # a lone tree with drafts steps up (`RoundCost`)
+            overhead += j
         seconds = sequence_seconds(rows, b, ask, overhead, g, h)
         fixed_s = a + b * prefill_tokens + u * len(rows)  # (u: every sequence's, whatever its depth)
 

@@ -220,9 +220,34 @@ def test_round_cost_tells_the_token_cost_from_the_drafting_sequence_cost():
             cost.add((n, drafting, drafting, batch), forward + a_rest + s * drafting, forward)
         chunk = a_fwd + 2e-5 * (batch + 48) + u * batch
         cost.add((batch + 48, 0, 0, batch), chunk + a_rest, chunk, True)
-    a, b_fit, r, s_fit, u_fit = cost.solve()
+    a, b_fit, r, s_fit, u_fit, j_fit = cost.solve()
     assert b_fit == pytest.approx(b, rel=0.05)
     assert u_fit == pytest.approx(u, rel=0.05)
     assert cost.plain_seconds(4) == pytest.approx(a_fwd + a_rest + (b + u) * 4, rel=0.05)
     assert r + s_fit == pytest.approx(s, rel=0.1)  # asked and drafting sequences: always together here
     assert a == pytest.approx(a_fwd + a_rest, rel=0.1)
+
+
+def test_round_cost_tells_a_lone_sequences_step_from_its_tokens():
+    """The small family's forward at batch 1 on this CPU, 1.25 ms for 1 token and ~0.62 ms
+    more for a second, ~0.23 for each after (`RoundCost`): the warm-up's depths 0 .. 8 tell
+    the step j from the slope b; a stretch of 1- and 2-token rounds alone (speculation off,
+    depth-1 probes) leaves the split where it was, so a deep draft is still priced at its
+    cost. One slope, fitted on that stretch, read ~0.6 ms a token."""
+    from outrider.target_worker.policy_estimates import RoundCost
+
+    def forward(n: int) -> float:
+        return 1.02e-3 + 0.23e-3 * n + (0.39e-3 if n > 1 else 0.0)
+
+    cost = RoundCost(0.98)
+    for _ in range(3):  # warm-up: every depth
+        for depth in range(9):
+            cost.add((1 + depth, 1, 1, 1), forward(1 + depth) + 1e-4, forward(1 + depth))
+    for i in range(300):  # off, a depth-1 probe every 16 rounds
+        n = 2 if i % 16 == 0 else 1
+        cost.add((n, n - 1, n - 1, 1), forward(n) + 1e-4, forward(n))
+        if i % 50 == 0:
+            cost.solve()
+    a, b, _, _, u, j = cost.solve()
+    assert b == pytest.approx(0.23e-3, rel=0.1) and j == pytest.approx(0.39e-3, rel=0.1)
+    assert a + b * 5 + u + j == pytest.approx(forward(5) + 1e-4, rel=0.03)  # a 4-deep draft

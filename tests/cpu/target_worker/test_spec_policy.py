@@ -55,13 +55,33 @@ def test_a_cost_per_sequence_is_a_fixed_cost_of_the_round():
     def depths(u: float) -> list[int]:
         policy = SpeculationPolicy(CEILING)
         simulate(policy, {i: 0.6 for i in range(4)}, rounds=60)
-        coefficients = (1e-3, 1e-3, 1e-4, 1e-4, u)  # a, b, r, s, u
+        coefficients = (1e-3, 1e-3, 1e-4, 1e-4, u, 0.0)  # a, b, r, s, u, j
         policy.verify_cost.solve = policy.verify_cost.coefficients = lambda: coefficients
         policy._next_solve = policy.rounds  # a full solve
         return policy._depths(policy._gain(range(4)), [CEILING.max_depth] * 4, 0)
 
     assert sum(depths(0.0)) == 0
     assert min(depths(5e-3)) >= 1
+
+
+def test_a_lone_sequences_step_is_paid_once_whatever_its_depth():
+    """j (a lone sequence's forward steps from a matrix-vector to a matrix product once it
+    carries drafts) is paid by any depth alike: a lone sequence that drafts at all goes
+    deeper with it than where the same seconds were spread over its tokens, and at batch 2
+    (a matrix product either way) it plays no part."""
+
+    def depths(j: float, batch: int = 1) -> list[int]:
+        policy = SpeculationPolicy(CEILING)
+        simulate(policy, {i: 0.8 for i in range(batch)}, rounds=60)
+        coefficients = (1e-3, 4e-4, 1e-4, 1e-4, 0.0, j)  # a, b, r, s, u, j
+        policy.verify_cost.solve = policy.verify_cost.coefficients = lambda: coefficients
+        policy.draft_cost.solve = policy.draft_cost.coefficients = lambda: (1e-5, 0.0, 0.0, 0.0)
+        policy._next_solve = policy.rounds  # a full solve
+        return policy._depths(policy._gain(range(batch)), [CEILING.max_depth] * batch, 0)
+
+    (shallow,), (deep,) = depths(0.0), depths(1e-3)
+    assert 1 <= shallow < deep
+    assert depths(0.0, batch=2) == depths(1e-3, batch=2)
 
 
 def test_costly_drafts_that_are_lost_are_turned_off():
