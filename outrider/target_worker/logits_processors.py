@@ -198,7 +198,10 @@ def penalize_paths(
         [(p.repetition, p.frequency, p.presence) for p in penalties], dtype=torch.float32, device=device
     )
     r, f, s = per_seq[slot].unbind(1)  # [N] each
-    rows = torch.where(seen, torch.where(rows > 0, rows / r[:, None], rows * r[:, None]), rows)
+    # Any r > 0 is accepted: one under float32's range (3e-187 from a client) is 0 here, and
+    # a logit over it inf; the largest finite logit instead keeps every row a distribution.
+    big, r = torch.finfo(rows.dtype).max, r.clamp(min=torch.finfo(rows.dtype).tiny)[:, None]
+    rows = torch.where(seen, torch.where(rows > 0, (rows / r).clamp(max=big), rows * r), rows)
     return rows - f[:, None] * counts - s[:, None] * in_output.float()
 
 

@@ -52,6 +52,21 @@ def make_seq(params: RequestParams, prompt: list[int], output: list[int]) -> Seq
     return seq
 
 
+@pytest.mark.parametrize("penalty", [3.25e-187, 1e-40, 1e-30])
+def test_a_vanishing_repetition_penalty_leaves_every_row_a_distribution(penalty):
+    """Any repetition_penalty > 0 is accepted (vLLM's rule). One under float32's range (the
+    HTTP fuzzer sent 3.25e-187) was 0 there: a seen token's positive logit became inf, the
+    row's softmax NaN, and the request a 500. Seen tokens with positive logits now tie at
+    the largest finite logit; every row stays finite and normalisable."""
+    params = RequestParams(temperature=1.0, repetition_penalty=penalty)
+    rows = torch.tensor([[2.0, 3.0, -1.0, 0.5, 0.0, 1.0]] * 3)
+    got = process_tree_rows(make_seq(params, [1, 3], [1]), rows.clone(), torch.tensor([1, 3, 4]), [-1, 0, 0])
+    assert torch.isfinite(got).all()
+    probs = torch.softmax(got, dim=-1)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(3))
+    assert (probs[:, [0, 2, 4, 5]] == 0).all()  # unseen tokens: swamped, as the reference's limit
+
+
 @pytest.mark.parametrize("name", [*PENALTIES, "bias_and_min_tokens"])
 def test_each_node_is_processed_with_its_own_path(name):
     """A tree with branches and repeated tokens: every node's row equals the reference
