@@ -110,8 +110,12 @@ class Probing:
         on the small demo: its drafts did not pay even in loops, and probes spaced by the
         prior's hope, ~100 rounds apart with a catch-up of the head on each, cost ~5% of the
         time). `gain` is the finds' mean (the best probe round of each find's chain), or before
-        any, the probes' mean upside (what they would have gained had every draft been kept),
-        but no more than what the rounds the solver drafted in measured per round over rounds
+        any, what probes that kept at least half their drafts gained (a measurement of the
+        hope: a draft model at T = 0, batch 16, in one process, kept ~80% of its probes'
+        drafts and still lost ~12 plain tokens a probe round; spaced by the upside of every
+        draft kept, its probes, each catching 16 sequences up, came ~20-110 rounds apart
+        and took 20% of the time, adaptive 0.90x plain), or before those, the probes' mean
+        upside (what they would have gained had every draft been kept), but no more than what the rounds the solver drafted in measured per round over rounds
         without drafts: a find is worth what the drafting it turns on gains, not its best probe
         (a draft model at T = 0, batch 1: kept probes in loops spaced probes ~8 rounds apart,
         each with the model's catch-up, while the drafting they turned on barely paid).
@@ -133,7 +137,12 @@ class Probing:
             return None
         # (h > 1 where solves turned on without probes)
         h = (f.finds + f.prior * f.prior_weight) / (f.probes + f.prior_weight)
-        gain = f.gain / f.finds if f.finds > 0.0 else f.upside / f.probes
+        if f.finds > 0.0:
+            gain = f.gain / f.finds
+        elif f.kept_probes >= 1.0:  # what probes that kept their drafts measured, not the hope
+            gain = f.kept_gain / f.kept_probes
+        else:
+            gain = f.upside / f.probes
         on = self.check.kinds[True]  # what rounds the solver drafted in gained, measured
         if on[2] >= self.config.goodput_min_rounds:
             gain = min(gain, (on[0] - on[1]) / on[2])
@@ -161,17 +170,21 @@ class Probing:
             if at < self._next_probe:
                 self._next_probe, self._calm_until = at, min(self._calm_until, at)
 
-    def _note_probe(self, greedy: bool, gain: float, upside: float) -> None:
+    def _note_probe(self, greedy: bool, gain: float, upside: float, kept: float = 0.0) -> None:
         """A probe round of the class's sequences while speculation was off gained `gain`
         plain-equivalent tokens over a round without drafts (its drafter's catching up aside),
-        and would have gained `upside` had every draft been kept."""
+        and would have gained `upside` had every draft been kept; `kept`: the share of its
+        drafted tokens that were (a probe keeping at least half is a measured `kept_gain`)."""
         f, d = self._finds[greedy], self.config.probe_find_decay
-        f.probes, f.finds, f.gain, f.upside, f.prior_weight = (
+        held = kept >= 0.5
+        f.probes, f.finds, f.gain, f.upside, f.prior_weight, f.kept_probes, f.kept_gain = (
             d * f.probes + 1.0,
             d * f.finds,
             d * f.gain,
             d * f.upside + upside,
             d * f.prior_weight,
+            d * f.kept_probes + held,
+            d * f.kept_gain + (gain if held else 0.0),
         )
         f.chain_gain = max(gain, f.chain_gain if self._chain else gain)  # a chain's best round
         self._respace_probes(greedy)
@@ -207,3 +220,5 @@ class ProbeFinds:
     chain_gain: float = 0.0
     prior: float = 0.5  # a pseudo-probe's find (`_value_gap`): greedy 0.5, sampled 0
     prior_weight: float = 1.0
+    kept_probes: float = 0.0  # probes that kept at least half their drafted tokens
+    kept_gain: float = 0.0  # and what they gained

@@ -658,6 +658,24 @@ def test_finds_are_worth_what_the_drafting_they_turn_on_measured():
     assert policy._value_gap(True) is None and policy._probe_loss(True) is None
 
 
+def test_probes_that_kept_their_drafts_and_lost_end_the_hope():
+    """Before any find, the hope (every draft kept would gain 6 tokens a probe round) spaces
+    probes close; probes that kept ~80% of their drafts and still lost (a draft model at
+    T = 0, batch 16, in one process: each probe catches 16 sequences up) measure it instead:
+    finds would be worth nothing, and the cost-based spacing rules. Probes that kept nothing
+    (a lookup before its text loops) say nothing of it, and leave the hope as it was."""
+    hopes = []
+    for kept in (0.8, 0.0):
+        policy = SpeculationPolicy(CEILING, PolicyConfig())
+        policy._probe_extra = 20.0
+        policy.forget(0, tokens=64)
+        policy._note_probe(True, -12.0, 6.0, kept)
+        policy._note_probe(True, -10.0, 6.0, kept)
+        hopes.append(policy._value_gap(True))
+    assert hopes[0] is None  # measured: kept drafts lost
+    assert hopes[1] is not None and hopes[1] < 20.0 / PolicyConfig().probe_share
+
+
 def test_a_batched_drafters_cost_grows_with_the_draft_tokens_asked():
     """draft(m, U, K) = c + e m + g U + h K: the fit tells e from h once the batch varies,
     and each sequence's own depth is priced h a token."""
