@@ -256,12 +256,9 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             (forward_tokens, asked + shadows, drafted, len(outcomes)), round_s, forward_s, prefill_tokens > 0
         )
         if deepest_budget > 0:  # with no budget anywhere the engine does not collect at all
-            self.draft_cost.add(
-                (deepest_budget, self._sent, sum(o[1] for o in outcomes)),
-                draft_wait_s,
-                self.rounds - self._drafted_round,
-            )
-            self._drafted_round = self.rounds
+            since, self._drafted_round = self.rounds - self._drafted_round, self.rounds
+            features = (deepest_budget, self._sent, sum(o[1] for o in outcomes))
+            self.draft_cost.add(features, draft_wait_s, since)  # (decayed by the rounds since)
         self._sent = 0
 
     def _measure(
