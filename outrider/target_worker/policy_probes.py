@@ -115,10 +115,11 @@ class Probing:
         drafts and still lost ~12 plain tokens a probe round; spaced by the upside of every
         draft kept, its probes, each catching 16 sequences up, came ~20-110 rounds apart
         and took 20% of the time, adaptive 0.90x plain), or before those, the probes' mean
-        upside (what they would have gained had every draft been kept), but no more than what the rounds the solver drafted in measured per round over rounds
-        without drafts: a find is worth what the drafting it turns on gains, not its best probe
-        (a draft model at T = 0, batch 1: kept probes in loops spaced probes ~8 rounds apart,
-        each with the model's catch-up, while the drafting they turned on barely paid).
+        upside (what they would have gained had every draft been kept), but no more than what
+        the rounds the solver drafted in measured per round over rounds without drafts: a find
+        is worth what the drafting it turns on gains, not its best probe (a draft model at
+        T = 0, batch 1: kept probes in loops spaced probes ~8 rounds apart, each with the
+        model's catch-up, while the drafting they turned on barely paid).
         None until a probe's cost and a sequence's life are measured: the cost-based spacing
         alone. Per sampling class (greedy: True): what greedy probes find says nothing of
         sampled ones."""

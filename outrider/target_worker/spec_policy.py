@@ -211,8 +211,8 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         measured_off = off[2] >= config.off_min_rounds and off[1] > 0 and not prefill_tokens
         if measured_off and self._solved is not None and self._solved[0] == 0 and any(o[1] for o in outcomes):
             plain = max(worth, 0.0) * off[0] / off[1]  # what an off round commits in its time
-            drafted = sum(o[2] for o in outcomes)
-            kept = sum(o[3] for o in outcomes) / drafted if drafted else 0.0
+            tried = sum(o[2] for o in outcomes)
+            kept = sum(o[3] for o in outcomes) / tried if tried else 0.0
             for kind in {self._greedy.get(o[0], True) for o in outcomes if o[1]}:  # a probe while off
                 self._note_probe(kind, committed - plain, sum(o[2] + 1 for o in outcomes) - plain, kept)
         asked = drafted = 0
