@@ -16,9 +16,9 @@ def nonnegative_solve(q: np.ndarray, c: np.ndarray) -> np.ndarray:
     Clipping the unconstrained solution at 0 instead is no fit at all where features move
     together: served at concurrency 1 (B always 1, so a and u B are one column) a server's
     first noisy rounds gave a = -1.6 ms, u = +2.7 ms; clipped, a round without drafts was
-    priced 3.7 ms where it took 2.05, and speculation stayed off for ~300 rounds."""
+    priced 3.7 ms where it took 2.05, and speculation stayed off for hundreds of rounds."""
     w = np.linalg.solve(q, c)
-    if (w >= 0).all():  # (nearly always: one solve)
+    if (w >= 0).all():  # (one solve where no coefficient is pushed below 0)
         return w
     n = len(c)
     w, free = np.zeros(n), np.zeros(n, dtype=bool)
