@@ -1,8 +1,8 @@
 """The distributed topology on one machine: a Ray cluster of five nodes, two applications.
 
     head     (2 CPUs)                          Serve controller, HTTP proxy, ingresses
-    large x2 (1 GPU, outrider_target_gpu: 1)   target replicas only
-    small x2 (1 GPU, outrider_draft_gpu: 1)    draft replicas only
+    large x2 (1 GPU, outrider_target_gpu: 1)   target replicas only (no CPU)
+    small x2 (1 GPU, outrider_draft_gpu: 1)    draft replicas only (no CPU)
 
 The GPUs are declared, not real: Ray schedules on the same custom resources `gpu_pools`
 derives from NVML, and the models run on the CPU. Application `pool` has two target
@@ -55,14 +55,17 @@ def topology(tiny_family):
 
     # The dashboard serves the state API, which says where each actor runs.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": True})
-    large = [cluster.add_node(num_cpus=1, num_gpus=1, resources={TARGET_RESOURCE: 1}) for _ in range(2)]
-    small = [cluster.add_node(num_cpus=1, num_gpus=1, resources={DRAFT_RESOURCE: 1}) for _ in range(2)]
+    # The ingresses ask for half a CPU and only the head has CPUs: Serve spreads replicas over
+    # nodes, and an ingress on a small node would die with it in the last test (the client
+    # sees a 500 from the proxy: a lost ingress, not a lost drafter).
+    large = [cluster.add_node(num_cpus=0, num_gpus=1, resources={TARGET_RESOURCE: 1}) for _ in range(2)]
+    small = [cluster.add_node(num_cpus=0, num_gpus=1, resources={DRAFT_RESOURCE: 1}) for _ in range(2)]
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        common = {"demo": "tiny", "speculative_config": SPEC, **NO_CPUS}
+        common = {"demo": "tiny", "speculative_config": SPEC, **NO_CPUS, "ingress_num_cpus": 0.5}
         engine = {"num_threads": 1, "max_num_seqs": 4}
         pool = {
             **common,
@@ -254,10 +257,11 @@ def test_ingress_killed_mid_stream_is_a_clean_error_not_a_hang(topology):
 
 def test_draft_node_removed_mid_load(topology):
     drafts = {a.node_id for a in actors(topology, "pool", "DraftWorker")}
-    # The ingress asks for no pool, so its restart (the test above) may have put it on a small
-    # node; removing that node would kill the ingress too, which is a different test.
-    ingress = {a.node_id for a in actors(topology, "pool", "OpenAIIngress")}
-    node = next(n for n in topology.small if n.node_id in drafts and n.node_id not in ingress)
+    # Both ingresses live on the head (the only node with CPUs), restarted or not: removing a
+    # node that held one would kill it too, which is a different test.
+    ingresses = {a.node_id for app in ("pool", "peer") for a in actors(topology, app, "OpenAIIngress")}
+    assert ingresses == {topology.cluster.head_node.node_id}
+    node = next(n for n in topology.small if n.node_id in drafts)
 
     def remove() -> None:
         topology.cluster.remove_node(node, allow_graceful=False)
