@@ -244,6 +244,7 @@ class DraftCounts:
         return [[v * scale for v in row] for row in self._sums]
 
     depth = property(lambda self: len(self._sums[0]))
+    first_keeps = property(lambda self: (self._sums[2][0] / self._weight, self._sums[3][0] / self._weight))
     asked = property(lambda self: self.counts[0])
     drafted = property(lambda self: self.counts[1])
     tries = property(lambda self: self.counts[2])
@@ -265,6 +266,9 @@ class DraftCounts:
 
 # A sequence's expected (tokens, nodes, chance of any draft) per depth budget 0 .. K.
 Row = tuple[list[float], list[float], list[float]]
+Outcome = tuple[
+    int, int, int, int, int
+]  # a verified draft: seq_id, budget depth, tree depth, kept, committed
 
 
 def _shrunk(
@@ -274,14 +278,16 @@ def _shrunk(
     glob_den: list[float],
     first: float,
     prior: float,
+    own_prior: float | None = None,
 ) -> list[float]:
     """One sequence's `shrunk_rates` row, on Python floats (a handful per depth: at the
     batches a round's policy refreshes, numpy's per-call cost on arrays this small was most
-    of the work, ~2 us a call on this CPU)."""
-    rates, above = [], first
+    of the work, ~2 us a call on this CPU); `own_prior` (default `prior`): the anchor's weight
+    against the sequence's own counts."""
+    rates, above, weight = [], first, prior if own_prior is None else own_prior
     for n, m, gn, gm in zip(num, den, glob_num, glob_den, strict=True):
         anchor = (gn + prior * above) / (gm + prior)
-        above = (n + prior * anchor) / (m + prior)
+        above = (n + weight * anchor) / (m + weight)
         rates.append(above)
     return rates
 
@@ -318,6 +324,7 @@ def expected_gains(
     deepest_seen: int,
     width: float,
     budget_nodes: Seq[float],
+    keep_prior: float | None = None,
 ) -> list[tuple[list[float], list[float], list[float]]]:
     """Per sequence (`own` counts, None for a new one), three lists over the depth budget
     0 .. K: the expected committed tokens, the expected nodes verified, and the chance the
@@ -332,7 +339,9 @@ def expected_gains(
         nodes(k)  = 1 + min(width x sum_{i <= k} prod_{d <= i} drafts_d, budget_nodes[k] - 1)
 
     `width`: the draft nodes per depth the drafter's trees carried. Depths past
-    `deepest_seen` + 1 (the deepest tree ever drafted, and one more to find out) earn nothing."""
+    `deepest_seen` + 1 (the deepest tree ever drafted, and one more to find out) earn nothing.
+    `keep_prior` (default `prior`): the batch-wide keep rate's weight against a sequence's own
+    (`spread_prior`)."""
     g = glob.counts  # asked, drafted, tries, kept
     cap = [float(n) - 1.0 for n in list(budget_nodes)[1:]]
     zero = [[0.0] * len(g[0])] * 4
@@ -340,7 +349,7 @@ def expected_gains(
     for o in own:
         c = o.counts if o else zero
         drafts = _shrunk(c[1], c[0], g[1], g[0], 1.0, prior)
-        keeps = _shrunk(c[3], c[2], g[3], g[2], 0.5, prior)
+        keeps = _shrunk(c[3], c[2], g[3], g[2], 0.5, prior, keep_prior)
         tokens, nodes, survive, reach, depth = [1.0], [1.0], 1.0, 1.0, 0.0
         for d, (drafted, kept) in enumerate(zip(drafts, keeps, strict=True)):
             survive *= drafted * (kept if d <= deepest_seen else 0.0)
@@ -350,6 +359,33 @@ def expected_gains(
             nodes.append(1.0 + min(width * depth, cap[d]))
         rows.append((tokens, nodes, [0.0] + [drafts[0]] * len(drafts)))
     return rows
+
+
+def spread_prior(own: Seq[DraftCounts], glob: DraftCounts, floor: float, cap: float) -> float | None:
+    """The pseudo-observations of the batch-wide keep rate a sequence's own counts are weighed
+    against, from how far the live sequences' depth-1 keep rates spread beyond their counts'
+    own noise (empirical Bayes, beta-binomial moments: between-sequence variance tau^2 = p(1 -
+    p) / (prior + 1)), within [floor, cap]; None with fewer than 4 sequences holding a try.
+
+    Sequences that keep alike (a replay drafter's fixed a: the spread is all noise) are
+    weighed as the batch: with the floor alone, a noisy few misses sent one to depth 0 and a
+    lucky one to 4, and as tokens(k) is concave the mix kept fewer tokens than depth 2 for
+    all at the same cost (replay a = 0.7, batch 16). Sequences that differ (a lookup drafter
+    on repetitive text beside fresh text) keep the floor's weight. Each count is a decayed
+    one, taken as that many tries: noise overstated, if anything, and the spread under."""
+    p_tries, p_kept = glob.first_keeps
+    if p_tries <= 0:
+        return None
+    var = (p_kept / p_tries) * (1.0 - p_kept / p_tries)
+    rate, n_sum, spread, seqs = p_kept / p_tries, 0.0, 0.0, 0
+    for counts in own:
+        tries, kept = counts.first_keeps
+        if tries >= 1.0:
+            seqs, n_sum, spread = seqs + 1, n_sum + tries, spread + (kept - tries * rate) ** 2 / tries
+    if seqs < 4:
+        return None
+    between = (spread - seqs * var) / n_sum  # tau^2
+    return cap if between * (cap + 1.0) <= var else max(floor, var / between - 1.0)
 
 
 def moved(row: Row, old: Row) -> bool:

@@ -45,12 +45,14 @@ from outrider.target_worker.policy_config import PolicyConfig, PolicyStats
 from outrider.target_worker.policy_estimates import (
     CostFit,
     DraftCounts,
+    Outcome,
     RoundCost,
     Row,
     dinkelbach,
     expected_gains,
     moved,
     sequence_seconds,
+    spread_prior,
 )
 from outrider.target_worker.policy_goodput import GoodputCheck
 from outrider.target_worker.policy_probes import ProbeFinds, Probing
@@ -73,6 +75,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         # little about sampled ones, and a prior learnt at T = 0 must not carry to T = 1.
         self.glob = {True: DraftCounts.empty(depth), False: DraftCounts.empty(depth)}
         self.seqs: dict[int, DraftCounts] = {}
+        self._keep_prior = dict.fromkeys((True, False), self.config.prior_strength)  # (`_gains`)
         self._greedy: dict[int, bool] = {}
         # Round seconds (collect aside) = a + b * tokens in the forward + r * sequences asked to
         # draft (their deltas, answers, bookkeeping) + s * sequences whose tree has drafts (its
@@ -184,9 +187,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
 
     def observe(
         self,
-        outcomes: Seq[
-            tuple[int, int, int, int, int]
-        ],  # (seq_id, budget depth, tree depth, accepted, committed)
+        outcomes: Seq[Outcome],  # (seq_id, budget depth, tree depth, accepted, committed)
         forward_tokens: int,
         round_s: float,
         deepest_budget: int,
@@ -352,17 +353,17 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         return [cached[s][1] for s in seq_ids]
 
     def _gains(self, seq_ids: Seq[int]) -> list[Row]:
-        """`policy_estimates.expected_gains` of these sequences, each shrunk toward the
-        batch-wide counts of its sampling class."""
-        width = self._tree_nodes / self._tree_depths
+        """`policy_estimates.expected_gains` of these sequences, each shrunk toward its sampling
+        class's batch-wide counts as far as the class's live sequences differ (`spread_prior`)."""
+        width, prior = self._tree_nodes / self._tree_depths, self.config.prior_strength
         greedy = [self._greedy.get(s, True) for s in seq_ids]
         out: list = [None] * len(seq_ids)
         for kind in set(greedy):
-            at = [i for i, g in enumerate(greedy) if g == kind]
+            at, keep = [i for i, g in enumerate(greedy) if g == kind], self._keep_prior[kind]
             own = [self.seqs.get(seq_ids[i]) for i in at]
-            gains = expected_gains(
-                own, self.glob[kind], self.config.prior_strength, self.deepest_seen, width, self._nodes
-            )
+            live = [c for s, c in self.seqs.items() if self._greedy.get(s, True) == kind]
+            keep = self._keep_prior[kind] = spread_prior(live, self.glob[kind], prior, 16 * prior) or keep
+            gains = expected_gains(own, self.glob[kind], prior, self.deepest_seen, width, self._nodes, keep)
             for i, row in zip(at, gains, strict=True):
                 out[i] = row
         return out

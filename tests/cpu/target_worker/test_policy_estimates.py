@@ -9,6 +9,7 @@ from outrider.target_worker.policy_estimates import (
     expected_gains,
     nonnegative_solve,
     shrunk_rates,
+    spread_prior,
 )
 
 
@@ -142,6 +143,35 @@ def test_rates_start_from_the_batch_and_move_to_the_sequence():
     rates = shrunk_rates([None, own], glob, "kept", "tries", 0.5, prior=4.0)
     assert rates[0, 0] == pytest.approx(1.0, abs=0.03) and rates[1, 0] == pytest.approx(0.0, abs=0.03)
     assert np.all(rates >= 0) and np.all(rates <= 1)
+
+
+def counts_keeping(rates: list[float], rounds: int = 30, seed: int = 0) -> tuple[list[DraftCounts], DraftCounts]:
+    """Depth-1 drafts, one a round, per sequence (keep chance `rates[i]`), decayed as a live
+    sequence's are (0.8), and the batch-wide counts."""
+    rng = np.random.default_rng(seed)
+    own, glob = [DraftCounts.empty(1) for _ in rates], DraftCounts.empty(1)
+    for _ in range(rounds):
+        for counts, rate in zip(own, rates, strict=True):
+            kept = int(rng.random() < rate)
+            counts.add(1, 1, kept, 0.8)
+            glob.add(1, 1, kept, 0.995)
+    return own, glob
+
+
+def test_the_keep_prior_follows_how_far_sequences_differ_beyond_their_noise():
+    """Sequences keeping alike (their rates spread by their counts' noise alone) are weighed
+    as the batch (the cap); sequences that differ keep the floor; too few to tell: None."""
+    for seed in range(5):
+        assert spread_prior(*counts_keeping([0.7] * 16, seed=seed), floor=4.0, cap=64.0) == 64.0
+        assert spread_prior(*counts_keeping([0.95, 0.1] * 8, seed=seed), floor=4.0, cap=64.0) == 4.0
+    assert spread_prior(*counts_keeping([0.7] * 3), floor=4.0, cap=64.0) is None
+    fresh = [DraftCounts.empty(1) for _ in range(8)]  # no tries yet
+    assert spread_prior(fresh, counts_keeping([0.7] * 4)[1], floor=4.0, cap=64.0) is None
+    # Between: rates 0.25 and 0.75 (tau^2 = 1/16) are worth p(1 - p) / tau^2 - 1 = 3
+    # pseudo-observations; the decayed counts (~5 tries, as noisy as ~9) overstate the noise,
+    # so the estimate is larger: weighed toward the batch, never past what the spread shows.
+    middle = spread_prior(*counts_keeping([0.25, 0.75] * 64, rounds=60), floor=1.0, cap=64.0)
+    assert 3.0 <= middle <= 12.0
 
 
 def test_expected_gains_survive_along_the_draft_and_price_the_width_drafted():

@@ -97,6 +97,44 @@ def test_each_sequence_gets_its_own_depth():
     assert chosen[0] >= 3 and chosen[1] <= 1
 
 
+def depth_spreads(policy, keep: list[float], rounds: int = 300, seed: int = 0) -> list[int]:
+    """Rounds of one batch (per-token keep chance per sequence; a cheap verify, so depth 2-3
+    is best); the spread (deepest - shallowest) of each round's depths after the first 100."""
+    rng, ids, spreads = random.Random(seed), list(range(len(keep))), []
+    depths = [CEILING.max_depth] * len(ids)
+    for r in range(rounds):
+        outcomes = []
+        for seq_id, k in zip(ids, depths, strict=True):
+            kept = 0
+            while kept < k and rng.random() < keep[seq_id]:
+                kept += 1
+            outcomes.append((seq_id, k, k, kept, kept + 1))
+        tokens = sum(k + 1 for k in depths)
+        round_s = 2e-3 + 5e-5 * tokens + 2e-5 * sum(k > 0 for k in depths)
+        policy.observe(outcomes, tokens, round_s, max(depths), 1e-4 if max(depths) else 0.0)
+        depths = [b.max_depth for b in policy.budgets(ids, [CEILING] * len(ids), 0)]
+        spreads += [max(depths) - min(depths)] if r >= 100 else []
+    return spreads
+
+
+def test_sequences_that_keep_alike_draft_alike():
+    """16 sequences with one keep chance (0.7): their own counts differ by noise alone, and
+    weighed against the batch's by that (`spread_prior`) they get one depth, give or take one.
+    With the prior's fixed 4 pseudo-observations a few misses sent one to depth 1 and a lucky
+    one to 5 (most rounds spread by 2-7): tokens(k) is concave, so the mix kept fewer tokens
+    for the same nodes (replay a = 0.7, batch 16: 0.91x plain, 0.97x with the spread)."""
+    for seed in range(3):
+        policy = SpeculationPolicy(CEILING)
+        spreads = depth_spreads(policy, [0.7] * 16, seed=seed)
+        assert sum(s >= 2 for s in spreads) <= 0.1 * len(spreads)
+        assert policy._keep_prior[True] == 16 * policy.config.prior_strength
+    # Sequences that differ keep their own depths.
+    policy = SpeculationPolicy(CEILING)
+    spreads = depth_spreads(policy, [0.95, 0.1] * 8)
+    assert policy._keep_prior[True] == policy.config.prior_strength
+    assert sum(s >= 4 for s in spreads) >= 0.9 * len(spreads)
+
+
 def lookup_rounds(policy, proposes: float, keeps: float, rounds: int, seed: int = 0) -> list[int]:
     """A lookup drafter (ngram-like): asked for k tokens, it drafts all k with probability
     `proposes` and nothing otherwise; a drafted token is kept with probability `keeps`. Verify
