@@ -109,17 +109,23 @@ class Probing:
         one, h falls toward 0 and the cost-based spacing takes over (an EAGLE head at T = 0
         on the small demo: its drafts did not pay even in loops, and probes spaced by the
         prior's hope, ~100 rounds apart with a catch-up of the head on each, cost ~5% of the
-        time). `gain` is the finds' mean (the best probe round of each find's chain), or before
-        any, what probes that kept at least half their drafts gained (a measurement of the
-        hope: a draft model at T = 0, batch 16, in one process, kept ~80% of its probes'
-        drafts and still lost ~12 plain tokens a probe round; spaced by the upside of every
-        draft kept, its probes, each catching 16 sequences up, came ~20-110 rounds apart
-        and took 20% of the time, adaptive 0.90x plain), or before those, the probes' mean
-        upside (what they would have gained had every draft been kept), but no more than what
-        the rounds the solver drafted in measured per round over rounds without drafts: a find
-        is worth what the drafting it turns on gains, not its best probe (a draft model at
-        T = 0, batch 1: kept probes in loops spaced probes ~8 rounds apart, each with the
-        model's catch-up, while the drafting they turned on barely paid).
+        time).
+
+        `gain` is the finds' mean (the best probe round of each find's chain), or before any,
+        the probes' mean upside (what they would have gained had every draft been kept); then
+        capped twice by measurements:
+        - what probes that kept at least half their drafts gained, where there are such: a
+          stretch that keeps the drafts gains what they did (a draft model at T = 0, batch 16,
+          in one process, kept ~80% of its probes' drafts and still lost ~12 plain tokens a
+          probe round; spaced by the upside its probes, each catching 16 sequences up, came
+          ~20-110 rounds apart and took 20% of the time, adaptive 0.90x plain; an MTP head at
+          T = 0 kept every draft of its probes in loops and lost ~1 plain token a probe, its
+          catch-up aside, while one early find's best round, +0.8, spaced them ~150 apart);
+        - what the rounds the solver drafted in measured per round over rounds without drafts,
+          once there are `off_min_rounds` of them (the few a find turns on may be all there
+          are): a find is worth what the drafting it turns on gains, not its best probe (a
+          draft model at T = 0, batch 1: kept probes in loops spaced probes ~8 rounds apart,
+          each with the model's catch-up, while the drafting they turned on barely paid).
         None until a probe's cost and a sequence's life are measured: the cost-based spacing
         alone. Per sampling class (greedy: True): what greedy probes find says nothing of
         sampled ones."""
@@ -138,14 +144,13 @@ class Probing:
             return None
         # (h > 1 where solves turned on without probes)
         h = (f.finds + f.prior * f.prior_weight) / (f.probes + f.prior_weight)
-        if f.finds > 0.0:
-            gain = f.gain / f.finds
-        elif f.kept_probes >= 1.0:  # what probes that kept their drafts measured, not the hope
-            gain = f.kept_gain / f.kept_probes
-        else:
-            gain = f.upside / f.probes
+        gain = f.gain / f.finds if f.finds > 0.0 else f.upside / f.probes
+        if (
+            f.kept_probes >= 1.0
+        ):  # what probes that kept their drafts measured: a stretch keeping them gains that
+            gain = min(gain, f.kept_gain / f.kept_probes)
         on = self.check.kinds[True]  # what rounds the solver drafted in gained, measured
-        if on[2] >= self.config.goodput_min_rounds:
+        if on[2] >= self.config.off_min_rounds:  # (a few rounds: they are all the finds turned on)
             gain = min(gain, (on[0] - on[1]) / on[2])
         if h <= 0.0 or gain <= 0.0:  # nothing found, or not even a kept probe would pay for its round
             return None

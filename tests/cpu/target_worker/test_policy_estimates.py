@@ -145,7 +145,9 @@ def test_rates_start_from_the_batch_and_move_to_the_sequence():
     assert np.all(rates >= 0) and np.all(rates <= 1)
 
 
-def counts_keeping(rates: list[float], rounds: int = 30, seed: int = 0) -> tuple[list[DraftCounts], DraftCounts]:
+def counts_keeping(
+    rates: list[float], rounds: int = 30, seed: int = 0
+) -> tuple[list[DraftCounts], DraftCounts]:
     """Depth-1 drafts, one a round, per sequence (keep chance `rates[i]`), decayed as a live
     sequence's are (0.8), and the batch-wide counts."""
     rng = np.random.default_rng(seed)

@@ -694,6 +694,12 @@ def test_finds_are_worth_what_the_drafting_they_turn_on_measured():
     assert policy._value_gap(True) > hopeful
     policy.check.kinds[True] = [24.0, 28.0, 20.0]  # and where they lost
     assert policy._value_gap(True) is None and policy._probe_loss(True) is None
+    # A few drafting rounds are evidence enough (finds turn on only a few: an MTP head at
+    # T = 0 lost ~2 plain tokens a round over ~7 of them, short of the veto's 10).
+    policy.check.kinds[True] = [15.0, 31.0, 7.5]
+    assert policy._value_gap(True) is None
+    policy.check.kinds[True] = [3.0, 5.0, 2.0]  # two rounds: the finds' own worth still rules
+    assert policy._value_gap(True) == pytest.approx(hopeful)
 
 
 def test_probes_that_kept_their_drafts_and_lost_end_the_hope():
@@ -712,6 +718,36 @@ def test_probes_that_kept_their_drafts_and_lost_end_the_hope():
         hopes.append(policy._value_gap(True))
     assert hopes[0] is None  # measured: kept drafts lost
     assert hopes[1] is not None and hopes[1] < 20.0 / PolicyConfig().probe_share
+
+
+def test_a_find_is_worth_no_more_than_probes_that_kept_their_drafts_gained():
+    """An early find (its chain's best round: +0.8 plain tokens) spaced probes on its hope;
+    the probes after it kept every draft, in loops, and lost ~1 plain token each (an MTP head
+    at T = 0: dearer than the tokens it keeps on this CPU). A stretch that keeps the drafts
+    gains what those probes did: the find is worth nothing, and the cost-based spacing rules."""
+    policy = SpeculationPolicy(CEILING, PolicyConfig())
+    policy._probe_extra = 6.0
+    policy.forget(0, tokens=100)
+    policy._note_probe(True, 0.8, 0.8, 1.0)
+    policy._chain = 1
+    policy._note_find(True)
+    policy._chain = 0
+    hopeful = policy._value_gap(True)
+    assert hopeful is not None and hopeful < 6.0 / PolicyConfig().probe_share
+    for _ in range(6):
+        policy._note_probe(True, -1.0, -1.0, 1.0)
+    assert policy._value_gap(True) is None
+    # Probes that kept nothing (text that stopped looping) say nothing of a stretch that does.
+    policy = SpeculationPolicy(CEILING, PolicyConfig())
+    policy._probe_extra = 6.0
+    policy.forget(0, tokens=100)
+    policy._note_probe(True, 0.8, 0.8, 1.0)
+    policy._chain = 1
+    policy._note_find(True)
+    policy._chain = 0
+    for _ in range(6):
+        policy._note_probe(True, -1.0, 3.0, 0.0)
+    assert policy._value_gap(True) is not None
 
 
 def test_a_batched_drafters_cost_grows_with_the_draft_tokens_asked():
