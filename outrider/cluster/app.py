@@ -24,6 +24,15 @@ from outrider.cluster.served_model import resolve_model
 from outrider.cluster.target import TargetWorker, speculative_for
 
 
+def draft_capacity(args: OutriderArgs) -> int:
+    """Sequences each draft replica is sized for (`DraftPoolArgs.max_sequences`)."""
+    if args.draft_pool.max_sequences is not None:
+        return args.draft_pool.max_sequences
+    target = args.target
+    replicas = target.autoscaling.max_replicas if target.autoscaling else target.num_replicas
+    return max(32, args.engine.max_num_seqs * replicas)
+
+
 def build_app(args: OutriderArgs | dict[str, Any] | None = None) -> serve.Application:
     args = load_args(args)
     model, pools = resolve_model(args, progress=True), cluster_pools(args)
@@ -31,7 +40,7 @@ def build_app(args: OutriderArgs | dict[str, Any] | None = None) -> serve.Applic
     if spec is not None and args.draft_pool.mode == "deployment":
         # Bound only so Serve deploys it: targets reach drafters over gRPC, found by registry.
         drafts = DraftWorker.options(**draft_options(args, pools)).bind(
-            model, spec, args.draft_pool.grpc_port, args.draft_pool.model_dump()
+            model, spec, args.draft_pool.grpc_port, args.draft_pool.model_dump(), draft_capacity(args)
         )
     else:
         drafts = None

@@ -190,6 +190,13 @@ class DraftPoolArgs(_Strict):
         "(`DraftLoadPolicy`: replicas = total drafting load / this). Above ~0.6 rounds queue behind each "
         "other and miss the target's deadline; a cheap drafter may want a lower value to scale out early.",
     )
+    max_sequences: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences each draft replica holds drafting state for at once (a model drafter's KV "
+        "cache; past it a sequence decodes without drafts until room frees). Default: every sequence the "
+        "targets can run, max_num_seqs x target replicas (the autoscaler's max_replicas), at least 32.",
+    )
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per draft replica.")
     gpus_per_replica: float = Field(
         1.0, ge=0, description="GPUs per draft replica where a draft pool exists."

@@ -34,7 +34,12 @@ class DraftWorker:
     """One proposer behind a gRPC draft server, shared by every target replica."""
 
     def __init__(
-        self, model: ServedModel, speculative_config: dict, grpc_port: int = 0, pool: dict | None = None
+        self,
+        model: ServedModel,
+        speculative_config: dict,
+        grpc_port: int = 0,
+        pool: dict | None = None,
+        max_sequences: int = 32,
     ):
         from outrider import draft_worker  # noqa: F401 - registers the built-in methods
         from outrider.cluster.config import DraftPoolArgs
@@ -46,7 +51,12 @@ class DraftWorker:
         from outrider.target_worker.draft_client import tokenizer_fingerprint
 
         # The replica's GPU when Ray gave it one (draft pools on small GPUs), else the CPU.
-        proposer = build_proposer(speculative_config, vocab_size=model.vocab_size, device=default_device())
+        proposer = build_proposer(
+            speculative_config,
+            vocab_size=model.vocab_size,
+            device=default_device(),
+            max_sequences=max_sequences,
+        )
         tls, token = DraftPoolArgs.model_validate(pool or {"mode": "deployment"}).server_security()
         identity = DraftIdentity(
             draft_model_id=str(speculative_config.get("model") or speculative_config["method"]),

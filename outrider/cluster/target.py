@@ -289,7 +289,13 @@ def build_draft_source(args: OutriderArgs, model: ServedModel, runner, app_name:
         from outrider.draft_worker.proposer import build_proposer
         from outrider.target_worker.draft_source import InProcessDraftSource
 
-        proposer = build_proposer(spec, vocab_size=model.vocab_size, device=runner.device)
+        # Sized for every sequence the engine runs at once (at least the default 32: a finished
+        # sequence's state may outlive it by a round): at a fixed 32, a draft model at
+        # concurrency 64 drafted nothing for a third of the sequences it was asked for.
+        capacity = max(32, args.engine.max_num_seqs)
+        proposer = build_proposer(
+            spec, vocab_size=model.vocab_size, device=runner.device, max_sequences=capacity
+        )
         return TimedDraftSource(InProcessDraftSource(proposer))
     from outrider.cluster.draft_registry import wait_for_draft_endpoints
     from outrider.proto import HandshakeRequest, Limits

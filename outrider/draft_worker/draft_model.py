@@ -71,7 +71,7 @@ from outrider.target_worker.runner import ModelRunner
 class DraftModelOptions:
     model: str | None = None  # draft checkpoint folder (HF layout, safetensors)
     max_model_len: int | None = None  # draft context; default: its max_position_embeddings
-    kv_cache_rows: int | None = None  # draft KV budget in rows; default: 32 full-length sequences
+    kv_cache_rows: int | None = None  # draft KV budget in rows; default: max_sequences full-length ones
     kv_cache_bytes: int | None = None  # ... or in bytes
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; default: the checkpoint's
     # The target tokenizer's `proto.handshake.vocab_fingerprint`; when set, the draft's own
@@ -114,7 +114,7 @@ class DraftModelProposer(Proposer[DraftModelState]):
         self.extent_rows = self.max_model_len + self.scratch_rows
         rows = options.kv_cache_rows
         if rows is None and options.kv_cache_bytes is None:
-            rows = 32 * self.extent_rows
+            rows = self.max_sequences * self.extent_rows
         self.runner = ModelRunner.from_pretrained(
             options.model,
             max_model_len=self.extent_rows,  # kv_lens count scratch rows too

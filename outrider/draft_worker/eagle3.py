@@ -62,7 +62,7 @@ class Eagle3Options:
     project_features_on_target: bool = False  # the target applies fc; H values per token on the wire
     feature_dtype: str = "float32"  # features on the wire: float32 | bfloat16 | float16
     max_model_len: int | None = None  # default: the head's max_position_embeddings
-    kv_cache_rows: int | None = None  # default: 32 full-length sequences
+    kv_cache_rows: int | None = None  # default: max_sequences full-length sequences
     dtype: str | None = None  # default: the checkpoint's
 
     def __post_init__(self) -> None:
@@ -107,7 +107,9 @@ class Eagle3Proposer(Proposer[EagleState]):
             buffers=(("k", (cfg.num_kv_heads, cfg.head_dim)), ("v", (cfg.num_kv_heads, cfg.head_dim))),
             dtype=self.head.fc.weight.dtype,
         )
-        self.cache = KVCache(spec, options.kv_cache_rows or 32 * self.extent_rows, self.device)
+        self.cache = KVCache(
+            spec, options.kv_cache_rows or self.max_sequences * self.extent_rows, self.device
+        )
         self.draft_ids = self.head.draft_ids  # [Vd] target id of each draft id
         self.forwards = 0  # draft forward passes so far
 

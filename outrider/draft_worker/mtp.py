@@ -156,7 +156,7 @@ class MTPModule:
 class MTPOptions:
     model: str | None = None  # checkpoint folder holding model.layers.{num_hidden_layers}.*
     max_model_len: int | None = None  # default: its max_position_embeddings
-    kv_cache_rows: int | None = None  # default: 32 full-length sequences
+    kv_cache_rows: int | None = None  # default: max_sequences full-length sequences
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; default: the checkpoint's
     target_vocab_fingerprint: str | None = None  # as for draft_model: checked against tokenizer.json
 
@@ -200,7 +200,9 @@ class MTPProposer(Proposer[MTPState]):
         dtype = DTYPES[options.dtype] if options.dtype else None
         self.module = MTPModule(options.model, dtype, self.device, self.extent_rows)
         spec = KVSpec(num_layers=1, buffers=self.module.buffers, dtype=self.module.dtype)
-        self.cache = KVCache(spec, options.kv_cache_rows or 32 * self.extent_rows, self.device)
+        self.cache = KVCache(
+            spec, options.kv_cache_rows or self.max_sequences * self.extent_rows, self.device
+        )
         self.forwards = 0
 
     @property

@@ -103,10 +103,20 @@ class Proposer(abc.ABC, Generic[StateT]):
     # makes every pre-drafted tree stale (speculation); None = assume so iff `retire` is overridden.
     retire_shares_state: ClassVar[bool | None] = None
 
-    def __init__(self, config: SpeculativeConfig, *, vocab_size: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        *,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        max_sequences: int = 32,
+    ):
         self.config = config
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        # The sequences it is sized to hold state for at once (a model drafter's default KV
+        # cache: this many full-length extents); past it a sequence drafts nothing until room frees.
+        self.max_sequences = max_sequences
         self._states: dict[int, StateT] = {}
 
     @property
@@ -318,11 +328,14 @@ def proposer_class(method: object) -> type[Proposer]:
 
 
 def build_proposer(
-    config: Mapping[str, Any], *, vocab_size: int, device: torch.device | str = "cpu"
+    config: Mapping[str, Any], *, vocab_size: int, device: torch.device | str = "cpu", max_sequences: int = 32
 ) -> Proposer:
-    """A proposer from a vLLM-style speculative config dict (see `draft_worker.config`)."""
+    """A proposer from a vLLM-style speculative config dict (see `draft_worker.config`), sized
+    for `max_sequences` live sequences (a co-located drafter: its target's max_num_seqs)."""
     parsed = parse_speculative_config(config)
-    return _PROPOSERS[parsed.method](parsed, vocab_size=vocab_size, device=device)
+    return _PROPOSERS[parsed.method](
+        parsed, vocab_size=vocab_size, device=device, max_sequences=max_sequences
+    )
 
 
 def parse_speculative_config(config: Mapping[str, Any]) -> SpeculativeConfig:

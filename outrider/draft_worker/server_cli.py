@@ -56,6 +56,14 @@ def add_draft_server_parser(
     parser.add_argument(
         "--speculative-config", metavar="JSON", default="{}", help="further vLLM-style keys, as a JSON object"
     )
+    parser.add_argument(
+        "--max-sequences",
+        type=_at_least_one,
+        default=32,
+        help="sequences it holds drafting state for at once, over all its targets (a model drafter's KV "
+        "cache; past it a sequence is decoded without drafts until room frees); size it to the targets' "
+        "max_num_seqs summed (default: %(default)s)",
+    )
     parser.add_argument("--target-model-id", default="", help="refuse targets serving another model")
     parser.add_argument(
         "--max-batch", type=int, default=256, help="sequences per request (default: %(default)s)"
@@ -87,6 +95,13 @@ def add_draft_server_parser(
     return parser
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None = None) -> int:
     from outrider.draft_worker.proposer import proposer_class
     from outrider.draft_worker.server import DraftIdentity, ServerTls, serve
@@ -99,7 +114,7 @@ def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None
     config = _speculative_options(args.speculative_config)
     if args.num_speculative_tokens is not None:
         config["num_speculative_tokens"] = args.num_speculative_tokens
-    proposer = build_server_proposer(args.method, config, model_dir, tokenizer_dir)
+    proposer = build_server_proposer(args.method, config, model_dir, tokenizer_dir, args.max_sequences)
     from outrider.target_worker.draft_client import tokenizer_fingerprint
 
     identity = DraftIdentity(
@@ -138,7 +153,7 @@ def run_draft_server(args: argparse.Namespace, resolve_demo: DemoResolver | None
 
 
 def build_server_proposer(
-    method: str, options: dict[str, Any], model_dir: Path | None, tokenizer_dir: Path
+    method: str, options: dict[str, Any], model_dir: Path | None, tokenizer_dir: Path, max_sequences: int = 32
 ) -> Proposer:
     """The proposer for `method` with vLLM-style `options`; `model` goes only to methods taking one.
 
@@ -155,7 +170,9 @@ def build_server_proposer(
     takes_model = "model" in {f.name for f in dataclasses.fields(cls.Options)}
     if model_dir is not None and takes_model:  # model-free methods (ngram, suffix) refuse the key
         config.setdefault("model", str(model_dir))
-    return build_proposer(config, vocab_size=_vocab_size(model_dir, tokenizer_dir))
+    return build_proposer(
+        config, vocab_size=_vocab_size(model_dir, tokenizer_dir), max_sequences=max_sequences
+    )
 
 
 def _speculative_options(text: str) -> dict[str, Any]:

@@ -182,6 +182,16 @@ def test_full_cache_or_long_context_means_root_only_then_recovers(draft_dir, ref
     assert past.num_nodes == 1
 
 
+def test_the_default_cache_holds_max_sequences_full_length_ones(draft_dir):
+    """Without kv_cache_rows the cache holds `max_sequences` sequences (a co-located drafter:
+    its target's max_num_seqs); one more drafts nothing until room frees."""
+    config = {"method": "draft_model", "model": str(draft_dir), **CHAIN}
+    proposer = build_proposer(config, vocab_size=2048, max_sequences=3)
+    trees = proposer.propose([update(i, c, proposer=proposer) for i, c in enumerate(contexts(4, seed=5))])
+    assert [t.num_nodes for t in trees] == [5, 5, 5, 1]
+    assert build_proposer(config, vocab_size=2048).max_sequences == 32  # a draft server's default
+
+
 def test_engine_budget_shrinks_the_tree(draft_dir):
     proposer = make(draft_dir, TREE)
     small = TreeBudget(max_nodes=4, max_depth=2, top_k=2)

@@ -70,3 +70,10 @@ def test_user_mistakes_are_one_line_errors(tiny_family, tmp_path, argv, error, m
     with pytest.raises(error, match=message) as raised:
         args.func(args)
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_max_sequences_below_one_is_refused_by_the_parser(value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse("--method", "ngram", "--max-sequences", value)
+    assert exited.value.code == 2 and "must be at least 1" in capsys.readouterr().err
