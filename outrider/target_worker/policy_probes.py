@@ -122,10 +122,12 @@ class Probing:
           T = 0 kept every draft of its probes in loops and lost ~1 plain token a probe, its
           catch-up aside, while one early find's best round, +0.8, spaced them ~150 apart);
         - what the rounds the solver drafted in measured per round over rounds without drafts,
-          once there are `off_min_rounds` of them (the few a find turns on may be all there
-          are): a find is worth what the drafting it turns on gains, not its best probe (a
-          draft model at T = 0, batch 1: kept probes in loops spaced probes ~8 rounds apart,
-          each with the model's catch-up, while the drafting they turned on barely paid).
+          once there are `goodput_min_rounds` of them: a find is worth what the drafting it
+          turns on gains, not its best probe (a draft model at T = 0, batch 1: kept probes in
+          loops spaced probes ~8 rounds apart, each with the model's catch-up, while the
+          drafting they turned on barely paid). (Not after fewer: those may be rounds whose
+          drafts were lost before the text looped, which say nothing of a loop's worth; probes
+          that kept their drafts do.)
         None until a probe's cost and a sequence's life are measured: the cost-based spacing
         alone. Per sampling class (greedy: True): what greedy probes find says nothing of
         sampled ones."""
@@ -150,7 +152,7 @@ class Probing:
         ):  # what probes that kept their drafts measured: a stretch keeping them gains that
             gain = min(gain, f.kept_gain / f.kept_probes)
         on = self.check.kinds[True]  # what rounds the solver drafted in gained, measured
-        if on[2] >= self.config.off_min_rounds:  # (a few rounds: they are all the finds turned on)
+        if on[2] >= self.config.goodput_min_rounds:
             gain = min(gain, (on[0] - on[1]) / on[2])
         if h <= 0.0 or gain <= 0.0:  # nothing found, or not even a kept probe would pay for its round
             return None
