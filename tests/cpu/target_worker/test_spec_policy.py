@@ -714,11 +714,8 @@ def test_probes_that_kept_their_drafts_and_lost_end_the_hope():
     assert hopes[1] is not None and hopes[1] < 20.0 / PolicyConfig().probe_share
 
 
-def test_a_find_is_worth_no_more_than_probes_that_kept_their_drafts_gained():
-    """An early find (its chain's best round: +0.8 plain tokens) spaced probes on its hope;
-    the probes after it kept every draft, in loops, and lost ~1 plain token each (an MTP head
-    at T = 0: dearer than the tokens it keeps on this CPU). A stretch that keeps the drafts
-    gains what those probes did: the find is worth nothing, and the cost-based spacing rules."""
+def policy_after_a_find() -> SpeculationPolicy:
+    """A policy whose one probe chain (its best round +0.8 plain tokens) turned drafting on."""
     policy = SpeculationPolicy(CEILING, PolicyConfig())
     policy._probe_extra = 6.0
     policy.forget(0, tokens=100)
@@ -726,19 +723,22 @@ def test_a_find_is_worth_no_more_than_probes_that_kept_their_drafts_gained():
     policy._chain = 1
     policy._note_find(True)
     policy._chain = 0
+    return policy
+
+
+def test_a_find_is_worth_no_more_than_probes_that_kept_their_drafts_gained():
+    """An early find (its chain's best round: +0.8 plain tokens) spaced probes on its hope;
+    the probes after it kept every draft, in loops, and lost ~1 plain token each (an MTP head
+    at T = 0: dearer than the tokens it keeps on this CPU). A stretch that keeps the drafts
+    gains what those probes did: the find is worth nothing, and the cost-based spacing rules."""
+    policy = policy_after_a_find()
     hopeful = policy._value_gap(True)
     assert hopeful is not None and hopeful < 6.0 / PolicyConfig().probe_share
     for _ in range(6):
         policy._note_probe(True, -1.0, -1.0, 1.0)
     assert policy._value_gap(True) is None
     # Probes that kept nothing (text that stopped looping) say nothing of a stretch that does.
-    policy = SpeculationPolicy(CEILING, PolicyConfig())
-    policy._probe_extra = 6.0
-    policy.forget(0, tokens=100)
-    policy._note_probe(True, 0.8, 0.8, 1.0)
-    policy._chain = 1
-    policy._note_find(True)
-    policy._chain = 0
+    policy = policy_after_a_find()
     for _ in range(6):
         policy._note_probe(True, -1.0, 3.0, 0.0)
     assert policy._value_gap(True) is not None
