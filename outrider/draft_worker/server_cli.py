@@ -58,7 +58,7 @@ def add_draft_server_parser(
     )
     parser.add_argument(
         "--max-sequences",
-        type=_at_least_one,
+        type=positive_int,
         default=32,
         help="sequences it holds drafting state for at once, over all its targets (a model drafter's KV "
         "cache; past it a sequence is decoded without drafts until room frees); size it to the targets' "
@@ -95,7 +95,7 @@ def add_draft_server_parser(
     return parser
 
 
-def _at_least_one(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")

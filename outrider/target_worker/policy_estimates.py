@@ -266,9 +266,8 @@ class DraftCounts:
 
 # A sequence's expected (tokens, nodes, chance of any draft) per depth budget 0 .. K.
 Row = tuple[list[float], list[float], list[float]]
-Outcome = tuple[
-    int, int, int, int, int
-]  # a verified draft: seq_id, budget depth, tree depth, kept, committed
+# A verified draft: seq_id, budget depth, tree depth, kept, committed.
+Outcome = tuple[int, int, int, int, int]
 
 
 def _shrunk(
@@ -376,8 +375,8 @@ def spread_prior(own: Seq[DraftCounts], glob: DraftCounts, floor: float, cap: fl
     p_tries, p_kept = glob.first_keeps
     if p_tries <= 0:
         return None
-    var = (p_kept / p_tries) * (1.0 - p_kept / p_tries)
-    rate, n_sum, spread, seqs = p_kept / p_tries, 0.0, 0.0, 0
+    rate = p_kept / p_tries
+    var, n_sum, spread, seqs = rate * (1.0 - rate), 0.0, 0.0, 0
     for counts in own:
         tries, kept = counts.first_keeps
         if tries >= 1.0:
