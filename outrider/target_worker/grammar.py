@@ -53,12 +53,15 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
-# A bounded string's characters: no control character (JSON forbids them raw), no quote or
-# backslash (so no escape sequence either: a subset of the schema's strings, all valid JSON),
-# and no UTF-16 surrogate: xgrammar 0.2.9 takes the bytes ED A0..BF xx for one character, but
-# they are not UTF-8, so the text decodes to three U+FFFD and a maxLength 8 string came back
-# 10 characters long (CI, 1 of 50 sampled outputs).
-_BOUNDED_CHARS = '[^\\x00-\\x1f"\\\\\\ud800-\\udfff]'
+# A bounded string's characters, as code point ranges (not a negated class): space to U+D7FF
+# and U+E000 to U+10FFFF, leaving out control characters (JSON forbids them raw), the quote and
+# the backslash (so no escape sequence either: a subset of the schema's strings, all valid
+# JSON) and the UTF-16 surrogates. xgrammar 0.2.9 builds a negated class's bytes without
+# UTF-8's limits: it took ED A0..BF xx (a surrogate) and the overlong E0 80..9F xx and
+# F0 80..8F xx xx for one character each; they are not UTF-8, so the text decodes to 3-4 U+FFFD
+# and a maxLength 8 name came back 10-11 characters long (the surrogate in CI, the overlong here:
+# 1 of 50 sampled outputs each). Its ranges are built right.
+_BOUNDED_CHARS = "[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]"
 
 
 def plain_bounded_strings(schema_source: str) -> str:

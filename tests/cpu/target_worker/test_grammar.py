@@ -131,14 +131,26 @@ def test_bounded_strings_admit_no_control_character(grammars, tokenizer):
     assert control and not allowed[control].any()
     assert allowed.sum() > 1000  # plain characters are still allowed
     source = json.loads(plain_bounded_strings(json.dumps(SCHEMA)))["properties"]["name"]
-    assert source == {"type": "string", "pattern": '^[^\\x00-\\x1f"\\\\\\ud800-\\udfff]{0,8}$'}
+    assert source == {"type": "string", "pattern": "^[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]{0,8}$"}
 
 
-def test_bounded_strings_admit_no_surrogate(grammars, tokenizer):
-    """xgrammar 0.2.9 takes the bytes of a UTF-16 surrogate (ED A0 80) for one character; they
-    decode to three U+FFFD, so a sampled maxLength 8 name came back 10 characters long."""
+def test_bounded_strings_admit_no_surrogate_nor_overlong_bytes(grammars, tokenizer):
+    """xgrammar 0.2.9 takes the bytes of a UTF-16 surrogate (ED A0 80) or an overlong encoding
+    (E0 80 80, F0 80 80 80) for one character; they decode to 3-4 U+FFFD, so sampled maxLength 8
+    names came back 10 and 11 characters long."""
     prefix = tokenizer.encode('{"name": "', add_special_tokens=False)
-    for text, accepted in ((b"\xed\xa0\x80", False), ("é😀".encode(), True), (b"\xed\x9f\xbf", True)):
+    cases = (
+        (b"\xed\xa0\x80", False),
+        (b"\xe0\x80\x80", False),
+        (b"\xe0\x9f\xbf", False),
+        (b"\xf0\x80\x80\x80", False),
+        (b"\xf0\x8f\xbf\xbf", False),
+        (b"\xf4\x90\x80\x80", False),  # past U+10FFFF
+        ("é😀".encode(), True),
+        (b"\xed\x9f\xbf", True),
+        ("\U0010ffff\x7f".encode(), True),
+    )
+    for text, accepted in cases:
         matcher = grammars.matcher(JSON_SCHEMA)
         assert all(matcher.accept_token(t) for t in prefix)
         assert matcher.accept_string(text) is accepted, text
