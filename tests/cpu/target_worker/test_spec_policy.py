@@ -17,6 +17,18 @@ from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy
 CEILING = TreeBudget(max_nodes=9, max_depth=8, top_k=1)
 
 
+def drafted(rng, keep, ids, depths) -> list[tuple[int, int, int, int, int]]:
+    """Each sequence's outcome of a chain as deep as its depth, each token kept with chance
+    `keep[seq_id]` while those above it were: (seq_id, budget, depth, kept, committed)."""
+    outcomes = []
+    for seq_id, k in zip(ids, depths, strict=True):
+        kept = 0
+        while kept < k and rng.random() < keep[seq_id]:
+            kept += 1
+        outcomes.append((seq_id, k, k, kept, kept + 1))
+    return outcomes
+
+
 def simulate(
     policy, accept: dict[int, float], rounds: int, verify=(1e-3, 5e-5, 1e-4), draft=(2e-4, 1e-4), seed=0
 ):
@@ -27,13 +39,7 @@ def simulate(
     ids = list(accept)
     depths = [CEILING.max_depth] * len(ids)
     for _ in range(rounds):
-        outcomes, tokens = [], 0
-        for seq_id, k in zip(ids, depths, strict=True):
-            kept = 0
-            while kept < k and rng.random() < accept[seq_id]:
-                kept += 1
-            outcomes.append((seq_id, k, k, kept, kept + 1))
-            tokens += k + 1
+        outcomes, tokens = drafted(rng, accept, ids, depths), sum(k + 1 for k in depths)
         deepest, drafting = max(depths), sum(k > 0 for k in depths)
         round_s = verify[0] + verify[1] * tokens + verify[2] * drafting
         draft_s = draft[0] + draft[1] * deepest if deepest else 0.0
@@ -103,12 +109,7 @@ def depth_spreads(policy, keep: list[float], rounds: int = 300, seed: int = 0) -
     rng, ids, spreads = random.Random(seed), list(range(len(keep))), []
     depths = [CEILING.max_depth] * len(ids)
     for r in range(rounds):
-        outcomes = []
-        for seq_id, k in zip(ids, depths, strict=True):
-            kept = 0
-            while kept < k and rng.random() < keep[seq_id]:
-                kept += 1
-            outcomes.append((seq_id, k, k, kept, kept + 1))
+        outcomes = drafted(rng, keep, ids, depths)
         tokens = sum(k + 1 for k in depths)
         round_s = 2e-3 + 5e-5 * tokens + 2e-5 * sum(k > 0 for k in depths)
         policy.observe(outcomes, tokens, round_s, max(depths), 1e-4 if max(depths) else 0.0)
@@ -541,12 +542,7 @@ def test_a_probe_drafts_as_deep_as_the_batch_wide_counts_say_pays():
     depths = [CEILING.max_depth] * 2
 
     def step() -> None:
-        outcomes = []
-        for seq_id, k in zip(accept, depths, strict=True):
-            kept = 0
-            while kept < k and rng.random() < accept[seq_id]:
-                kept += 1
-            outcomes.append((seq_id, k, k, kept, kept + 1))
+        outcomes = drafted(rng, accept, list(accept), depths)
         round_s = 2.7e-3 + 1e-4 * (2 + sum(depths)) + 3e-3 * any(depths)
         policy.observe(outcomes, 2 + sum(depths), round_s, max(depths), 1e-4 * any(depths))
         depths[:] = [b.max_depth for b in policy.budgets(list(accept), [CEILING] * 2, 0)]
