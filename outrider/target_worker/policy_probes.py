@@ -31,8 +31,10 @@ class Probing:
             return depths
         if any(depths):
             self._probe_interval, self._chain = self.config.probe_every, 0
-        if self.rounds < self._next_probe or self.check.off_probe:
+        fresh = not any(depths) and not self._draft_cost_at(len(seq_ids))
+        if (self.rounds < self._next_probe and not fresh) or self.check.off_probe:
             return depths
+        self._draft_octaves.add(len(seq_ids).bit_length())
         # (Depth 1 while the measured check vetoes drafting: it distrusts the model's gains.)
         at = [1 if vetoed else self._probe_at[self._greedy.get(s, True)] for s in seq_ids]
         probed = [min(d, cap) if k == 0 else k for k, cap, d in zip(depths, ceiling, at, strict=True)]
@@ -66,6 +68,17 @@ class Probing:
         gap = max(gap if gap <= config.probe_every else config.probe_every, int(gap * self._jitter))
         self._next_probe, self._last_probe = self.rounds + gap, self.rounds
         return probed
+
+    def _draft_cost_at(self, num_seqs: int) -> bool:
+        """Whether the draft-cost fit has rows where about this many sequences were asked to
+        draft (the same octave). Off everywhere, a batch of a new size is probed at once: at
+        batch 1 the cost of a draft step and of a draft token are one term (A = 1 in every
+        row, K = m), and the fit priced every draft token as a whole step. A server whose
+        first requests came one at a time priced 16 sequences' drafts at 16 steps (~12 ms
+        for a step and a half, measured), stayed off at concurrency 16 for ~200 rounds with
+        its next probe ~550 rounds away (spaced by what probes cost at batch 1), and ran
+        0.91x fixed K = 2 (draft_model over HTTP, T = 0)."""
+        return num_seqs.bit_length() in self._draft_octaves
 
     def _probe_depth(self, greedy: bool, base_s: float, b: float, ask: float, overhead: float) -> int:
         """The depth (>= 1) with the most committed tokens a second for a sequence known only

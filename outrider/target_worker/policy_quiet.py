@@ -3,7 +3,8 @@ for every sequence with nothing to decide, so the engine sends no budgets and th
 measures the round (docs/algorithms.md section 2c).
 
 A mixin of `SpeculationPolicy`, whose state it reads and sets: the schedule of solves and
-probes (`_next_probe`, `_next_solve`, `_calm_until`), the goodput check, the cost fits.
+probes (`_next_probe`, `_next_solve`, `_calm_until`), the goodput check, the cost fits. It
+measures the rounds that are not quiet as well (`_measure`, `_timed`).
 
 Inside a calm stretch (quiet until `_calm_until`) a round costs the policy a comparison in
 `quiet` and an append in `observe_quiet`: its measurements are logged and folded into the
@@ -26,7 +27,8 @@ class Quiet:
         solve weighed. Then the engine sends no budgets and `observe_round` only measures the
         round (the full path cost ~2% of a round without drafts at batch 1). Counted as `budgets` would."""
         stats = self.stats
-        if self._quiet and num_seqs and self.rounds < self._calm_until:  # (nothing it reads has moved)
+        calm = self.rounds < self._calm_until and self._draft_cost_at(num_seqs)  # (nothing it reads moved)
+        if self._quiet and num_seqs and calm:
             stats.depth_counts[0] += num_seqs
             stats.rounds_off += 1
             stats.vetoed_rounds += self.rounds < self.check.veto_until
@@ -40,6 +42,7 @@ class Quiet:
             self._off(vetoed)
             and self.rounds < self._next_probe
             and self._solved_cap >= self.ceiling.max_depth
+            and self._draft_cost_at(num_seqs)
         )
         if calm:  # off until the next probe or solve, or, if only vetoed, the veto's end
             until = min(self._next_probe, self._next_solve)
@@ -64,6 +67,34 @@ class Quiet:
         if len(self._quiet_log) >= 1024:  # (bounds the fold's weights: `CostFit.add_rows`)
             self._fold_quiet()
 
+    def _measure(
+        self, num_seqs: int, committed: int, seconds: float, prefill_tokens: int
+    ) -> tuple[float, float]:
+        """A round's goodput evidence (`_vetoed`): its worth in plain-equivalent tokens (what plain
+        decoding would have committed in its time: B tokens per verify(B)), and verify(B)."""
+        self.rounds += 1
+        plain_s = self.verify_cost.plain_seconds(num_seqs)
+        worth = seconds * num_seqs / (plain_s if plain_s > 0 else 1.0)
+        if self.verify_cost.knows(num_seqs):  # (else verify(B) is extrapolated: no evidence)
+            self.check.record(committed, worth, prefill_tokens)
+        off = self.check.off
+        if self._probing and not prefill_tokens and off[2] > 0:
+            extra = max(0.0, worth - off[1] / off[2])
+            self._probe_extra = extra if self._probe_extra is None else 0.5 * (self._probe_extra + extra)
+        self._probing = False
+        return worth, plain_s
+
+    def _timed(self, deepest_budget: int, seconds: float, features: tuple, drafts: tuple) -> None:
+        """A decode round's seconds against what the cost fits predicted for it (`RoundCost`'s
+        and the draft-cost fit's features), for `GoodputCheck.scale`, as `_fold_quiet` times
+        quiet rounds. Not before the first solve: until then the fits predict nothing."""
+        if self._solved is None:
+            return
+        predicted = self.verify_cost.predict(features)
+        if deepest_budget > 0:
+            predicted += self.draft_cost.predict(drafts)
+        self.check.timed(features[0], seconds, predicted, self.rounds)
+
     def _fold_quiet(self) -> None:
         """The logged quiet rounds' measurements, as `_measure` and `observe` would have taken
         them one by one: their worth (at the cost fit's verify(B), unchanged while quiet: the
@@ -73,9 +104,12 @@ class Quiet:
         rounds = np.array(self._quiet_log)
         self._quiet_log.clear()
         n, prefill, seconds, forward = rounds.T
+        decode = prefill == 0
+        # Fitted first: a batch size the fit had not seen is refitted before it is priced.
+        self.verify_cost.add_rows(n + prefill, n, seconds, forward, decode)
         plain_s = self.verify_cost.plain_seconds(n)
         worth = seconds * n / np.where(plain_s > 0, plain_s, 1.0)
-        decode = prefill == 0
         self.check.record_rows(n[decode], worth[decode])  # (prompt chunks would blur the rate)
-        self.verify_cost.add_rows(n + prefill, n, seconds, forward, decode)
+        if self._solved is not None:  # (`_timed`)
+            self.check.timed_rows(n[decode], seconds[decode], plain_s[decode], self.rounds)
         self._probing = False

@@ -42,14 +42,14 @@ from typing import TYPE_CHECKING
 
 from outrider.proto import CandidateTree, TreeBudget, shared_budget
 from outrider.target_worker.policy_config import PolicyConfig, PolicyStats
+from outrider.target_worker.policy_costs import CostFit, RoundCost
 from outrider.target_worker.policy_estimates import (
-    CostFit,
     DraftCounts,
     Outcome,
-    RoundCost,
     Row,
     dinkelbach,
     expected_gains,
+    forwarded,
     moved,
     sequence_seconds,
     spread_prior,
@@ -85,7 +85,8 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         self.verify_cost = RoundCost(self.config.cost_decay)
         self.draft_cost = CostFit(3, self.config.cost_decay)
         self._sent = 0  # tokens sent with the requests the next collect answers
-        self._drafted_round = 0  # the round of the draft-cost fit's last row
+        # The round of the draft-cost fit's last row; A.bit_length() of its rows, A sequences asked.
+        self._drafted_round, self._draft_octaves = 0, set[int]()  # (`_draft_cost_at`)
         self.deepest_seen = 0  # the drafter may draft less than the ceiling: never plan past it + 1
         # Decayed: draft nodes the trees carried, and their depths. Their ratio is the drafter's
         # width (a lookup's tree is as wide as its matches, not its budget): a tree's expected
@@ -230,10 +231,9 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             drafted += depth > 0
             if self._solved is not None and self._solved[0] == 0:
                 # A probe while speculation is off. Kept, and as fast as rounds without drafts:
-                # solve again next round with what it showed, and probe again, up to
-                # `probe_chain` times in a row. Kept but slower (drafting costs more than it
-                # earns here: chaining would be depth-1 speculation for good) or lost: the
-                # chain ends.
+                # solve again next round with what it showed, and probe again, up to `probe_chain`
+                # times in a row. Kept but slower (drafting costs more than it earns here:
+                # chaining would be depth-1 speculation for good) or lost: the chain ends.
                 if accepted and self._chain < config.probe_chain and probe_paid:
                     self._chain += 1
                     self._next_probe = min(self._next_probe, self.rounds + 1)
@@ -253,31 +253,16 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             own.add(budget_depth, depth, accepted, config.sequence_decay)
             glob.add(budget_depth, depth, accepted, config.global_decay)
         shadows = sum(o[0] in self.shadowed for o in outcomes)  # asked as well (`policy_shadow`)
-        self.verify_cost.add(
-            (forward_tokens, asked + shadows, drafted, len(outcomes)), round_s, forward_s, prefill_tokens > 0
-        )
+        features = (forward_tokens, asked + shadows, drafted, len(outcomes))
+        drafts = (deepest_budget, self._sent, sum(o[1] for o in outcomes))
+        if not prefill_tokens:  # (against what the fits predicted: `GoodputCheck.scale`)
+            self._timed(deepest_budget, round_s + draft_wait_s, features, drafts)
+        self.verify_cost.add(features, round_s, forward_s, prefill_tokens > 0)
         if deepest_budget > 0:  # with no budget anywhere the engine does not collect at all
             since, self._drafted_round = self.rounds - self._drafted_round, self.rounds
-            features = (deepest_budget, self._sent, sum(o[1] for o in outcomes))
-            self.draft_cost.add(features, draft_wait_s, since)  # (decayed by the rounds since)
+            self.draft_cost.add(drafts, draft_wait_s, since)  # (decayed by the rounds since)
+            self._draft_octaves.add(asked.bit_length())
         self._sent = 0
-
-    def _measure(
-        self, num_seqs: int, committed: int, seconds: float, prefill_tokens: int
-    ) -> tuple[float, float]:
-        """A round's goodput evidence (see `_vetoed`): its worth in plain-equivalent tokens
-        (what plain decoding would have committed in its time: B tokens per verify(B)), and
-        verify(B)."""
-        self.rounds += 1
-        plain_s = self.verify_cost.plain_seconds(num_seqs)
-        worth = seconds * num_seqs / (plain_s if plain_s > 0 else 1.0)
-        self.check.record(committed, worth, prefill_tokens)
-        off = self.check.off
-        if self._probing and not prefill_tokens and off[2] > 0:
-            extra = max(0.0, worth - off[1] / off[2])
-            self._probe_extra = extra if self._probe_extra is None else 0.5 * (self._probe_extra + extra)
-        self._probing = False
-        return worth, plain_s
 
     def sent(self, tokens: int) -> None:
         """The tokens the drafter was just sent with its requests (what it must catch up on
@@ -319,8 +304,8 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         )
 
     def forget(self, seq_id: int, tokens: int | None = None, greedy: bool = True) -> None:
-        """A sequence is done (`tokens`: what it decoded, when it finished; `greedy`: its
-        sampling class, which `budgets` never learnt where every round was `quiet`) or aborted."""
+        """A sequence finished (`tokens`: what it decoded; `greedy`: its sampling class, which
+        `budgets` never learnt where every round was `quiet`) or was aborted (None)."""
         if tokens is not None:
             self._note_life(greedy, tokens)
         self.seqs.pop(seq_id, None)
@@ -403,34 +388,35 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         def best(m: int) -> tuple[float, list[int]]:
             return dinkelbach(rows, seconds, ceiling, m, fixed_s + (c + e * m if m else 0.0), self._lam)
 
-        # A full solve weighs every deepest budget m (it sets the drafter's wait); between
-        # solves (every `resolve_every` rounds, or wider) only the last m and no drafts at all:
-        # each sequence re-picks its depth as its estimates or its own ceiling move (a
-        # request's last tokens: judged at the old rate alone, a 2-token tree that beats plain
-        # was "off"), and the drafter's wait is weighed against not drafting (priced as paid
-        # whatever the sequences chose, a sequence whose drafts stopped being kept at batch 1
+        # A full solve weighs every deepest budget m (it sets the drafter's wait); between solves
+        # (every `resolve_every` rounds, or wider) only the last m and none: each sequence re-picks
+        # its depth as its estimates or ceiling move (a request's last tokens: at the old rate
+        # alone, a 2-token tree that beats plain was "off"), and the drafter's wait is weighed
+        # against not drafting (else a sequence whose drafts stopped being kept at batch 1
         # drafted the full m until the next solve, up to `max_resolve_every` rounds).
         ms = range(len(rows[0][0])) if due else sorted({0, min(self._solved[0], max(ceiling))})
         options = {m: best(m) for m in ms}
-        pick = max(ms, key=lambda m: options[m][0])  # the first of equals
+        scale = {  # each option's rate as measured rounds forwarding its tokens correct it
+            m: self.check.scale(prefill_tokens + forwarded(rows, d), self.rounds)
+            for m, (_, d) in options.items()
+        }
+        pick = max(ms, key=lambda m: options[m][0] / scale[m])  # the first of equals
         self._lam, choice = options[pick]
         if due:
             self._probe_at = {
                 kind: self._probe_depth(kind, fixed_s, b, ask, overhead) for kind in (True, False)
             }
-            # Solves that keep their answer (the deepest budget; speculation off included) are
-            # spaced ever wider: between them each sequence still re-picks its depth as its
-            # estimates move, and a kept probe asks for the next solve at once. A new answer
-            # is checked again `resolve_every` rounds on. (At batch 1 a solve cost ~3% of an
-            # 8 ms round: every 8 rounds, most of what the policy cost beyond fixed K.)
+            # Solves that keep their answer (the deepest budget; off included) are spaced ever
+            # wider: between them each sequence still re-picks its depth, and a kept probe asks
+            # for the next solve at once; a new answer is checked `resolve_every` rounds on. (At
+            # batch 1 a solve cost ~3% of an 8 ms round: every 8 rounds, most of the policy's cost.)
             if pick and self._solved is not None and self._solved[0] == 0:
                 for kind in self._kinds:
                     self._note_find(kind)
-            # While off, a solve learns nothing new but for the cost fits' drift: what could
-            # turn drafting on is a kept probe, or a sequence allowed deeper than the last
-            # solve weighed, and either asks for a solve at once. Spaced as wide as probes
-            # (eagle3 at T = 1, batch 1: a solve and the fold of the quiet rounds before it
-            # took ~0.5 ms, every 64 rounds, ~0.5% of the time).
+            # While off, a solve learns little but the cost fits' drift: what could turn drafting
+            # on is a kept probe, or a sequence allowed deeper than the last solve weighed, and
+            # either asks for a solve at once. Spaced as wide as probes (eagle3 at T = 1, batch 1:
+            # a solve and the fold of the quiet rounds before it took ~0.5 ms every 64 rounds).
             widest = self.config.max_resolve_every if pick else 4 * self.config.max_probe_every
             same = self._solved is not None and pick == self._solved[0]
             self._solve_interval = (

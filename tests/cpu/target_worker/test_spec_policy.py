@@ -98,6 +98,45 @@ def test_costly_drafts_that_are_lost_are_turned_off():
     assert policy.stats.rounds_off > 0
 
 
+def test_a_batch_of_a_size_the_draft_cost_fit_has_not_seen_is_probed_at_once():
+    """At batch 1 a draft step's cost and a draft token's are one term (one sequence asked:
+    K = m), so what the fit says of 16 sequences' drafts is a guess. Off at batch 1, a policy
+    whose first batch of 16 arrives probes it at once, however far its next probe was set by
+    batch-1 probes, and once: then the fit has rows of that size."""
+    policy = SpeculationPolicy(CEILING)
+    simulate(policy, {0: 0.05}, rounds=60, verify=(1e-3, 1e-3, 1e-4), draft=(5e-4, 1e-3))
+    assert policy._solved[0] == 0 and policy._next_probe > policy.rounds + 1
+    ids = list(range(16))
+    assert not policy.quiet(16)
+    depths = [b.max_depth for b in policy.budgets(ids, [CEILING] * 16, 0)]
+    assert all(depths)  # every sequence probes
+    outcomes = [(s, k, k, 0, 1) for s, k in zip(ids, depths, strict=True)]
+    policy.observe(outcomes, 16 + sum(depths), 8e-3, max(depths), 5e-3)
+    assert not any(b.max_depth for b in policy.budgets(ids, [CEILING] * 16, 0))
+
+
+def test_rounds_measured_slower_than_the_fits_say_are_priced_as_measured():
+    """The solver's rate of each option is divided by how much longer rounds forwarding about
+    as many tokens measured than the fits predicted (`GoodputCheck.scale`): the fits give not
+    drafting (4 tokens) ~4% over drafting 2 a sequence (12); where rounds of 4 tokens run 20%
+    over their prediction and rounds of 8-15 as predicted, drafting wins."""
+
+    def depths(off_scale: float) -> list[int]:
+        policy = SpeculationPolicy(CEILING)
+        simulate(policy, {i: 0.6 for i in range(4)}, rounds=60)
+        coefficients = (2e-3, 2e-4, 1e-4, 1e-4, 0.0, 0.0)  # a, b, r, s, u, j
+        policy.verify_cost.solve = policy.verify_cost.coefficients = lambda: coefficients
+        policy.check._timing.clear()
+        for r in range(policy.rounds - 20, policy.rounds):
+            policy.check.timed(4, off_scale * 3e-3, 3e-3, r)
+            policy.check.timed(12, 6e-3, 6e-3, r)
+        policy._next_solve = policy.rounds  # a full solve
+        return policy._depths(policy._gain(range(4)), [CEILING.max_depth] * 4, 0)
+
+    assert sum(depths(1.0)) == 0
+    assert depths(1.2) == [2, 2, 2, 2]
+
+
 def test_each_sequence_gets_its_own_depth():
     chosen = simulate(SpeculationPolicy(CEILING), {0: 0.95, 1: 0.02}, rounds=80, verify=(1e-3, 4e-4, 1e-4))
     assert chosen[0] >= 3 and chosen[1] <= 1

@@ -1,0 +1,39 @@
+"""The speculation policy's model checked against measurement (`target_worker.policy_goodput`)."""
+
+import numpy as np
+import pytest
+
+from outrider.target_worker.policy_config import PolicyConfig, PolicyStats
+from outrider.target_worker.policy_goodput import GoodputCheck
+
+
+def test_the_scale_is_measured_over_predicted_per_forward_size_and_fades():
+    check = GoodputCheck(PolicyConfig(), PolicyStats())
+    for r in range(20):
+        check.timed(16, 12e-3, 10e-3, r)  # 16 tokens: 20% slower than predicted
+        check.timed(64, 19e-3, 20e-3, r)
+    assert check.scale(16, 20) == pytest.approx(1.2)
+    assert check.scale(31, 20) == pytest.approx(1.2)  # the same octave
+    assert check.scale(64, 20) == pytest.approx(0.95)
+    assert check.scale(8, 20) == 1.0  # never measured at that size
+    assert check.scale(16, 20 + 300) == 1.0  # not measured lately
+    for r in range(21, 30):
+        check.timed(1, 1.0, 1e-3, r)
+    assert check.scale(1, 30) == 2.0  # (bounded)
+
+
+def test_rounds_timed_at_once_leave_what_one_by_one_would():
+    tokens = np.array([1.0, 1.0, 16.0, 17.0, 3.0, 1.0])
+    measured, predicted = np.linspace(1e-3, 6e-3, 6), np.linspace(2e-3, 3e-3, 6)
+    one, many = GoodputCheck(PolicyConfig(), PolicyStats()), GoodputCheck(PolicyConfig(), PolicyStats())
+    for i, (n, m, p) in enumerate(zip(tokens, measured, predicted, strict=True)):
+        one.timed(int(n), float(m), float(p), 10 + i)
+    many.timed_rows(tokens, measured, predicted, 15)
+
+    def at(check: GoodputCheck, rounds: int) -> dict:
+        decay = check.config.goodput_decay
+        return {k: [v * decay ** (rounds - kept[3]) for v in kept[:3]] for k, kept in check._timing.items()}
+
+    assert one._timing.keys() == many._timing.keys() == {1, 2, 5}
+    for key, values in at(one, 40).items():
+        assert at(many, 40)[key] == pytest.approx(values)
