@@ -77,7 +77,12 @@ class GoodputCheck:
         sequence (48-80) up to ~10% over; the solver, weighing the two, stayed off 96% of the
         rounds where fixed K = 2 ran 1.10x off. Each option's rate is divided by the scale at
         the tokens its choice puts in the forward. By tokens, not by whether the round drafts:
-        a drafting round with one sequence drafting costs what a round without drafts does."""
+        a drafting round with one sequence drafting costs what a round without drafts does.
+        Only where the batch holds more than one sequence: at batch 1 the fits' lone step (j)
+        already models the forward's shape over its 1-9 tokens, the scale there was noise, and
+        a noisy turn off is sticky (nothing drafts to correct it before the next probe): in
+        `outrider bench` (ngram, T = 0) it held speculation off ~130 rounds at a time, 0.90-0.94x
+        fixed K = 4 where the policy without it ran 0.99x."""
         kept = self._timing.get(int(num_tokens).bit_length())
         if kept is None or kept[1] <= 0.0:
             return 1.0

@@ -396,8 +396,8 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         # drafted the full m until the next solve, up to `max_resolve_every` rounds).
         ms = range(len(rows[0][0])) if due else sorted({0, min(self._solved[0], max(ceiling))})
         options = {m: best(m) for m in ms}
-        scale = {  # each option's rate as measured rounds forwarding its tokens correct it
-            m: self.check.scale(prefill_tokens + forwarded(rows, d), self.rounds)
+        scale = {  # each option's rate as measured rounds forwarding its tokens correct it, at B > 1
+            m: self.check.scale(prefill_tokens + forwarded(rows, d), self.rounds) if len(rows) > 1 else 1.0
             for m, (_, d) in options.items()
         }
         pick = max(ms, key=lambda m: options[m][0] / scale[m])  # the first of equals

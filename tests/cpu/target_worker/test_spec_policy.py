@@ -137,6 +137,18 @@ def test_rounds_measured_slower_than_the_fits_say_are_priced_as_measured():
     assert depths(1.2) == [2, 2, 2, 2]
 
 
+def test_at_batch_1_the_fits_are_not_scaled():
+    """A lone sequence's forward shape is the fits' own (the lone step j): measured rounds of
+    one token far under their prediction do not turn a lone sequence's drafts off."""
+    policy = SpeculationPolicy(CEILING)  # drafting ~1.2x not drafting, by the fits
+    simulate(policy, {0: 0.7}, rounds=80, verify=(1e-3, 2e-4, 1e-4), draft=(2e-4, 1e-4))
+    policy.check._timing.clear()
+    for r in range(policy.rounds - 20, policy.rounds):
+        policy.check.timed(1, 0.5e-3, 1e-3, r)  # (at B > 1: rounds without drafts twice as fast)
+    policy._next_solve = policy.rounds  # a full solve
+    assert policy._depths(policy._gain([0]), [CEILING.max_depth], 0)[0] > 0
+
+
 def test_each_sequence_gets_its_own_depth():
     chosen = simulate(SpeculationPolicy(CEILING), {0: 0.95, 1: 0.02}, rounds=80, verify=(1e-3, 4e-4, 1e-4))
     assert chosen[0] >= 3 and chosen[1] <= 1
