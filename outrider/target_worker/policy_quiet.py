@@ -87,8 +87,10 @@ class Quiet:
     def _timed(self, deepest_budget: int, seconds: float, features: tuple, drafts: tuple) -> None:
         """A decode round's seconds against what the cost fits predicted for it (`RoundCost`'s
         and the draft-cost fit's features), for `GoodputCheck.scale`, as `_fold_quiet` times
-        quiet rounds. Not before the first solve: until then the fits predict nothing."""
-        if self._solved is None:
+        quiet rounds. Not before the first solve (until then the fits predict nothing), nor at
+        batch 1, where the scale is not used (no work on that hot path, and its rounds do not
+        blur the scale of small forwards at B > 1)."""
+        if self._solved is None or features[3] < 2:  # (the scale is for B > 1 only)
             return
         predicted = self.verify_cost.predict(features)
         if deepest_budget > 0:
@@ -110,6 +112,7 @@ class Quiet:
         plain_s = self.verify_cost.plain_seconds(n)
         worth = seconds * n / np.where(plain_s > 0, plain_s, 1.0)
         self.check.record_rows(n[decode], worth[decode])  # (prompt chunks would blur the rate)
-        if self._solved is not None:  # (`_timed`)
-            self.check.timed_rows(n[decode], seconds[decode], plain_s[decode], self.rounds)
+        timed = decode & (n > 1)  # (`_timed`)
+        if self._solved is not None and timed.any():
+            self.check.timed_rows(n[timed], seconds[timed], plain_s[timed], self.rounds)
         self._probing = False
