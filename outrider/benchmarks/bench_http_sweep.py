@@ -293,7 +293,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--placements", type=lambda s: s.split(","), default=list(PLACEMENTS))
     parser.add_argument("--ks", type=ints, default=[1, 2, 4, 8], help="fixed K to compare (default: 1,2,4,8)")
     parser.add_argument(
-        "--requests", type=int, default=16, help="requests per application and level (at least 2c)"
+        "--requests",
+        type=int,
+        default=64,
+        help="requests per application and level, at least halves x c (default 64: at 16, a level at "
+        "c = 4 measured each application for ~1 s, in blocks of a quarter second)",
     )
     parser.add_argument(
         "--halves",

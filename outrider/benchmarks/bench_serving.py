@@ -112,8 +112,12 @@ def pin_target_replicas(active: str) -> int:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 title = f.read().split(b"\0", 1)[0]
-            if title.startswith(b"ray::ServeReplica:") and title.endswith(b":TargetWorker"):
-                alone = title == mine
+            # While busy, Ray's title names the method too (`...:TargetWorker.handle_request_with_
+            # rejection`): matched on the whole title, a replica still answering its last block's
+            # /metrics scrape would keep the measured one's core through the next block.
+            name, worker, _ = title.partition(b":TargetWorker")
+            if name.startswith(b"ray::ServeReplica:") and worker:
+                alone = name + worker == mine
                 _pin_process(int(pid), {_CORES[-1]} if alone else serving)
                 pinned += alone
         except OSError:  # the process ended meanwhile

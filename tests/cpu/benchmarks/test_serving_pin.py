@@ -12,7 +12,10 @@ from outrider.benchmarks import bench_serving
 def test_the_measured_applications_target_gets_the_last_core_alone():
     cores = bench_serving._CORES
     target = subprocess.Popen(["ray::ServeReplica:app:TargetWorker", "30"], executable="sleep")
-    idle = subprocess.Popen(["ray::ServeReplica:other:TargetWorker", "30"], executable="sleep")
+    # (busy: Ray's title names the method it runs)
+    idle = subprocess.Popen(
+        ["ray::ServeReplica:other:TargetWorker.handle_request_with_rejection", "30"], executable="sleep"
+    )
     ingress = subprocess.Popen(["ray::ServeReplica:app:OpenAIIngress", "30"], executable="sleep")
     try:
         assert bench_serving.pin_target_replicas("app") == 1
