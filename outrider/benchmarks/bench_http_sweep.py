@@ -18,8 +18,8 @@ throughput (over all its blocks) over off's in the same rotation. The target rep
 measured runs on the last core, alone, and everything else on the others (`--no-pin` to let
 them move):
 unpinned, one application drifted by up to 10% from one deployment to the next. Each
-application first answers 4 unmeasured requests (lazy initialisation, and the policy's
-warm-up rounds: a long-running server has had them).
+application first answers 16 unmeasured requests, 8 at T = 0 and 8 at T = 1 (lazy
+initialisation, and the policy's cold start: a long-running server has had them).
 
 Figures carry vLLM's names (its benchmark_serving): output token throughput (completion
 tokens / the level's wall time), TTFT, TPOT ((latency - TTFT) / (tokens - 1)), ITL (gaps
@@ -193,8 +193,13 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
         serve.run(build_app(app), name=label, route_prefix=f"/{label}")
         base = f"http://127.0.0.1:{port}/{label}"
         # Warm-up, unmeasured: lazy initialisation, first compiles, and the speculation policy's
-        # first rounds (it cycles every depth once to fit its costs), as a server that has run.
-        run_level(base, name, prompts, 2, 4, 0.0, min(32, args.max_tokens))
+        # first rounds, as a server that has run: it cycles every depth to fit its costs, and
+        # until it has seen what its probes find it spaces them by their cost alone. With 4
+        # short requests that cold start fell in the first level measured (ngram, T = 0, c = 1:
+        # in one process the policy stayed off through about five whole requests after them,
+        # 0.79-0.86x fixed K = 8, then drafted as K = 8 did).
+        for temperature in (0.0, 1.0):
+            run_level(base, name, prompts, 2, 8, temperature, args.max_tokens, args.ignore_eos)
         return base
 
     port = start_local_ray(pin=args.pin)
