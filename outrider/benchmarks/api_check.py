@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     from outrider.benchmarks.report import RESULTS_DIR
 
     model = f"outrider-demo-{args.size}"  # the name `outrider serve --demo SIZE` serves
+    from outrider.cluster.app import set_ray_env
+
+    set_ray_env()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8765})
     base = "http://127.0.0.1:8765"

@@ -87,8 +87,10 @@ def start_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    from outrider.cluster.app import set_ray_env
     from outrider.cluster.gpu_pools import DRAFT_RESOURCE, TARGET_RESOURCE
 
+    set_ray_env()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": True})
     for _ in range(2):
         cluster.add_node(num_cpus=1, num_gpus=2, resources={TARGET_RESOURCE: 2})

@@ -57,8 +57,11 @@ def start_local_ray(pin: bool = True) -> int:
     on all cores but the last, which `pin_target_replicas` gives to the target replicas."""
     import ray
 
+    from outrider.cluster.app import set_ray_env
+
     if pin and _serving_cores() is not None:
         _pin_process(os.getpid(), _serving_cores())
+    set_ray_env()
     ray.init(
         num_cpus=2,
         include_dashboard=False,

@@ -1,6 +1,6 @@
 """`build_app(args)`: the Outrider Ray Serve application, three deployments composed.
 
-HTTP ──> OpenAIIngress ──(Serve stream of token ids)──> TargetWorker x N (engine, TP group)
+HTTP ──> OpenAIIngress ──(token ids over Serve gRPC)──> TargetWorker x N (engine, TP group)
                                                            │ gRPC rounds
                                                            v
                                                      DraftWorker x M   (or in-process / external)
@@ -12,6 +12,7 @@ outrider serve --demo tiny                         # the same, with an embedded 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ray import serve
@@ -22,6 +23,18 @@ from outrider.cluster.ingress import OpenAIIngress
 from outrider.cluster.placement import cluster_pools, draft_options, target_options
 from outrider.cluster.served_model import resolve_model
 from outrider.cluster.target import TargetWorker, speculative_for
+
+# Set in every Ray process of a cluster that serves Outrider (`ray start`'s environment; the
+# KubeRay manifests set it in each pod): Serve's HTTP proxy reaches the ingress over gRPC
+# instead of a Ray object per batch of ASGI messages (benchmarks/results/http_transport_small.md).
+RAY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+
+
+def set_ray_env() -> None:
+    """`RAY_ENV` in this process's environment, where not set already: before `ray.init`
+    starts a local Ray, whose processes (Serve's proxy among them) inherit it."""
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 def draft_capacity(args: OutriderArgs) -> int:
@@ -55,4 +68,5 @@ def build_app(args: OutriderArgs | dict[str, Any] | None = None) -> serve.Applic
         args.chat_template,
         args.api_key_file,
         args.request_limits,
+        args.target.transport,
     )

@@ -142,6 +142,13 @@ class TargetDeploymentArgs(_Strict):
     gpus_per_rank: float = Field(
         1.0, ge=0, description="GPUs per tensor-parallel rank where a target pool exists."
     )
+    transport: Literal["grpc", "ray"] = Field(
+        "grpc",
+        description="How each request's token stream reaches the ingress: `grpc`, one gRPC stream per "
+        "request to the replica (Ray Serve's `_by_reference=False`), or `ray`, one Ray object per "
+        "streamed chunk (Serve's default). Every chunk costs the same on the way whatever it carries; "
+        "over gRPC it costs less (benchmarks/results/http_transport_small.md).",
+    )
 
 
 class DraftPoolArgs(_Strict):

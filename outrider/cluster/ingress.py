@@ -86,6 +86,13 @@ def _as_api_error(error: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(error).__name__}")
 
 
+def target_handle(target, transport: str):
+    """The target deployment's handle on `transport` (`TargetDeploymentArgs.transport`):
+    "grpc", Serve's gRPC transport to the replicas (one gRPC stream per request); "ray", a Ray
+    object per streamed chunk. Every call on the handle takes it."""
+    return target.options(_by_reference=transport == "ray")
+
+
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024)
 @serve.ingress(app)
 class OpenAIIngress:
@@ -97,8 +104,10 @@ class OpenAIIngress:
         chat_template: str | None = None,
         api_key_file: str | None = None,
         limits: RequestLimitsArgs | None = None,
+        transport: str = "grpc",
     ):
-        self.target, self.model, self.default_max_tokens = target, model, default_max_tokens
+        self.target = target_handle(target, transport)
+        self.model, self.default_max_tokens = model, default_max_tokens
         self.api_key = read_api_key(api_key_file)
         self.tokenizer = load_tokenizer(model.tokenizer_dir, chat_template)
         self.metrics = Metrics(model.name)

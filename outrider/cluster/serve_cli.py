@@ -86,10 +86,11 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from outrider.cluster.app import build_app
+    from outrider.cluster.app import build_app, set_ray_env
     from outrider.cluster.gpu_pools import classify, gpu_inventory
 
     pools = classify(gpu_inventory(), config.gpu_pools)
+    set_ray_env()
     ray.init(num_cpus=ns.num_cpus, resources=pools.ray_resources(), include_dashboard=False)
     try:
         serve.start(http_options={"host": ns.host, "port": ns.port})

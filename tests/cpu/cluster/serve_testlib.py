@@ -25,6 +25,9 @@ def local_serve(num_cpus: int = 2):
     import ray
     from ray import serve
 
+    from outrider.cluster.app import set_ray_env
+
+    set_ray_env()  # as `outrider serve` starts Ray
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     port = free_port()
     try:

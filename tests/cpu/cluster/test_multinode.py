@@ -50,9 +50,10 @@ def topology(tiny_family):
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from outrider.cluster.app import build_app
+    from outrider.cluster.app import build_app, set_ray_env
     from outrider.cluster.gpu_pools import DRAFT_RESOURCE, TARGET_RESOURCE
 
+    set_ray_env()
     # The dashboard serves the state API, which says where each actor runs.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": True})
     # The ingresses ask for half a CPU and only the head has CPUs: Serve spreads replicas over

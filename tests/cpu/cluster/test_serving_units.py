@@ -105,6 +105,22 @@ def test_deployment_options_without_gpus():
     assert draft["ray_actor_options"]["num_gpus"] == 0
 
 
+@pytest.mark.parametrize("transport,by_reference", [(None, False), ("grpc", False), ("ray", True)])
+def test_the_ingress_streams_from_targets_on_the_configured_transport(transport, by_reference):
+    """gRPC unless `target.transport: ray` says otherwise (one Ray object per chunk)."""
+    from outrider.cluster.ingress import target_handle
+
+    class Handle:  # a DeploymentHandle's `options` (a real one needs a running Serve)
+        def __init__(self, **options):
+            self.options_set = options
+
+        def options(self, **options):
+            return Handle(**self.options_set, **options)
+
+    args = load_args({"demo": "tiny", "target": {} if transport is None else {"transport": transport}})
+    assert target_handle(Handle(), args.target.transport).options_set == {"_by_reference": by_reference}
+
+
 def test_draft_policy_scales_on_busy_share():
     policy = DraftLoadPolicy(target_busy_fraction=0.5)
     ctx = SimpleNamespace(current_num_replicas=2, target_num_replicas=2, aggregated_metrics={})

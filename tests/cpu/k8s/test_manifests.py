@@ -35,6 +35,7 @@ from k8s_testlib import (
     start_resources,
 )
 
+from outrider.cluster.app import RAY_ENV
 from outrider.cluster.config import OutriderArgs
 from outrider.cluster.gpu_pools import DRAFT_RESOURCE, TARGET_RESOURCE, GpuInfo, PoolAssignment, classify
 from outrider.cluster.placement import draft_options, target_options
@@ -346,6 +347,17 @@ def test_pods_mount_every_file_the_app_reads(path: Path):
                 env = {e["name"]: e.get("value") for e in container.get("env", [])}
                 assert env.get("OUTRIDER_HOME"), f"{name}: OUTRIDER_HOME unset"
                 assert mount_for(group, env["OUTRIDER_HOME"]), f"{name}: OUTRIDER_HOME is not a shared volume"
+
+
+@services
+def test_every_ray_container_sets_the_ray_env(path: Path):
+    """Serve's proxy runs on every node (`proxy_location: EveryNode`): each pod's Ray reads
+    `RAY_ENV` at start, as `outrider serve` sets it before starting a local Ray."""
+    for service in ray_services(path):
+        for name, group in groups(service):
+            env = {e["name"]: e.get("value") for e in ray_container(group).get("env", [])}
+            for key, value in RAY_ENV.items():
+                assert env.get(key) == value, f"{name}: {key} is not {value!r}"
 
 
 @services
