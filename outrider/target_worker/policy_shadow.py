@@ -12,11 +12,15 @@ that starts to loop) only as often as they are spaced; a shadow finds them withi
 `shadow_depth` rounds. With the small demo's ngram drafter at batch 1 over HTTP, fixed K = 8
 beat the policy by 4-9% at T = 0 because probes spaced ~10 rounds apart found loop onsets late.
 
-Shadowing is used only while it pays: its measured cost (the drafter's answer waited for in
-rounds where only shadows were asked, before any the draft-cost fit's, plus what asking costs
-the round: the verify fit's per-sequence `ask`, shadows counted as asked) in plain-equivalent
-tokens per round must be below what probing alone loses per round at its spacing
-(`Probing._probe_loss`). A drafter on another machine, or a draft model, costs more than it
+Shadowing is used only while it pays: its measured cost in plain-equivalent tokens per round
+must be below what probing alone loses per round at its spacing (`Probing._probe_loss`). The
+cost is measured whole, in rounds that asked only shadows: the drafter's answer waited for
+plus the round's time beyond verify(B) (asking, the answer's checks, the trees set aside), per
+shadowed sequence. Until `SHADOW_TRIAL` such rounds are measured shadows are tried wherever
+probing loses something. (Priced before through the verify fit's per-sequence `ask` term,
+which moves with the per-drafted one, every asked sequence drafting: the fit split them
+0.58 / 0.30 ms in one run and 0.05 / 0.69 in the next, and shadows whose answer was waited
+for 50-60 us never ran.) A drafter on another machine, or a draft model, costs more than it
 could find there; a lookup in the target's process next to nothing.
 
 A mixin of `SpeculationPolicy`, whose state it reads (`config`, `seqs`, `glob`, the cost fits).
@@ -35,11 +39,17 @@ if TYPE_CHECKING:
     from outrider.target_worker.sequence import Sequence
 
 
+SHADOW_TRIAL = 4  # shadow-only rounds measured before their cost decides (`_shadow_worth`)
+
+
 class Shadowing:
     def _init_shadows(self) -> None:
         self.shadowed: set[int] = set()  # sequences asked for a shadow draft this round
         self._shadows: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (position, draft tokens)
-        self._shadow_s: float | None = None  # measured wait of rounds that asked only shadows
+        # Measured seconds per shadowed sequence of rounds that asked only shadows (their wait
+        # and their time beyond verify(B)), averaged; and how many such rounds measured it.
+        self._shadow_s = 0.0
+        self._shadow_rounds = 0
         self._shadow_pays = False  # whether shadowing paid when `budgets` last asked
 
     def _shadow(self, seq_ids: Seq[int], depths: list[int], ceiling: list[int], num_seqs: int) -> None:
@@ -54,22 +64,17 @@ class Shadowing:
         self.shadowed = {s for s in off if s not in self._shadows} if self._shadow_pays else set()
 
     def _shadow_worth(self, num_seqs: int) -> bool:
-        """Shadowing's cost in plain-equivalent tokens a round is below what probing loses."""
+        """Shadowing's cost in plain-equivalent tokens a round is below what probing loses
+        (until `SHADOW_TRIAL` shadow-only rounds measured it: tried wherever probing loses)."""
         loss = self._probe_loss(True)
         if loss is None:
             return False
-        ask = self.verify_cost.coefficients()[2]
         plain_s = self.verify_cost.plain_seconds(num_seqs)
         if plain_s <= 0:
             return False
-        if self._shadow_s is None:
-            c, e, _, h = self.draft_cost.coefficients()
-            wait = c + (e + h) * self.config.shadow_depth
-        else:
-            wait = self._shadow_s
-        # The wait, and what asking costs the round's own path (its delta, the answer's checks:
-        # a round that asks anything cannot be `quiet`), fitted as `ask` per sequence asked.
-        return (max(wait, 0.0) + ask * num_seqs) * num_seqs / plain_s < loss
+        if self._shadow_rounds < SHADOW_TRIAL:
+            return True
+        return max(self._shadow_s, 0.0) * num_seqs * num_seqs / plain_s < loss
 
     def shadow_trees(
         self, ready: Seq[Sequence], trees: list[CandidateTree], round: int
@@ -87,15 +92,21 @@ class Shadowing:
                 out[i] = root_only_tree(seq, round)
         return out
 
-    def _shadow_round(self, verified: Seq[Sequence], draft_wait_s: float) -> list[int]:
+    def _shadow_round(
+        self, verified: Seq[Sequence], draft_wait_s: float, round_s: float, prefill: bool
+    ) -> list[int]:
         """A round's verified sequences' budget depths, shadows' as 0 (asked, not verified); the
-        shadows it settles are scored, and if it asked only shadows, its wait is their cost."""
+        shadows it settles are scored, and if it asked only shadows (and ran no prompt chunk),
+        what it cost beyond verify(B) is theirs."""
         self._score_shadows(verified)
         shadowed = self.shadowed
         budgets = [0 if s.budget is None or s.seq_id in shadowed else s.budget.max_depth for s in verified]
-        if shadowed and not any(budgets):
-            previous = self._shadow_s
-            self._shadow_s = draft_wait_s if previous is None else 0.9 * previous + 0.1 * draft_wait_s
+        if shadowed and not any(budgets) and not prefill and self.verify_cost.knows(len(verified)):
+            extra = draft_wait_s + round_s - self.verify_cost.plain_seconds(len(verified))
+            per_seq = extra / max(1, sum(s.seq_id in shadowed for s in verified))
+            self._shadow_rounds += 1
+            weight = max(0.1, 1.0 / self._shadow_rounds)  # the mean of the first ten, then decayed
+            self._shadow_s += weight * (per_seq - self._shadow_s)
         return budgets
 
     def _score_shadows(self, verified: Seq[Sequence]) -> None:

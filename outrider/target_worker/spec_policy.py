@@ -284,7 +284,9 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             self._score_shadows(verified)
             self.observe_quiet(len(trees), plan.num_prefill_tokens, round_s, forward_s)
             return
-        budgets = self._shadow_round(verified, draft_wait_s)  # (a shadow draft is no draft)
+        budgets = self._shadow_round(  # (a shadow draft is no draft)
+            verified, draft_wait_s, round_s, plan.num_prefill_tokens > 0
+        )
         output = result.num_output_tokens.tolist()[: len(trees)]  # (after them: prompts that finished)
         nodes = [tree.parents.shape[0] - 1 for tree in trees]  # below the root
         outcomes = [

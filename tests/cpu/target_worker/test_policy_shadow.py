@@ -13,6 +13,7 @@ from outrider.draft_worker import build_proposer
 from outrider.proto import CandidateTree, DraftSampling, TreeBudget
 from outrider.target_worker.draft_source import InProcessDraftSource
 from outrider.target_worker.engine import Engine
+from outrider.target_worker.policy_shadow import SHADOW_TRIAL
 from outrider.target_worker.runner import ModelRunner
 from outrider.target_worker.sequence import RequestParams
 from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy
@@ -54,6 +55,15 @@ def shadowing_policy(shadow_cost_s: float = 1e-5) -> SpeculationPolicy:
     return policy
 
 
+def off_for_good(policy: SpeculationPolicy) -> None:
+    """The last solve turned every sequence off, and no solve or probe comes in the test."""
+    policy.budgets([1], [CEILING], 0, greedy=[True])  # (solves once)
+    policy._solved = (0, policy._solved[1])
+    policy._next_solve = policy._next_probe = 10**9
+    policy._draft_octaves.add(1)  # (a batch size never drafted at would be probed at once)
+    policy._shadows.clear()
+
+
 def test_an_off_greedy_sequence_is_shadowed_where_that_costs_less_than_probing_loses():
     policy = shadowing_policy()
     assert policy._probe_loss(True) > 0
@@ -63,9 +73,43 @@ def test_an_off_greedy_sequence_is_shadowed_where_that_costs_less_than_probing_l
     assert policy.shadowed == {1}
     assert budgets[0].max_depth == policy.config.shadow_depth and budgets[1].max_depth == 0
 
-    dear = shadowing_policy(shadow_cost_s=5e-3)  # a drafter whose answer costs 2.5 plain rounds
-    dear.budgets([1], [CEILING], 0, greedy=[True])
-    assert dear.shadowed == set()
+
+@pytest.mark.parametrize("wait_s,shadowed", [(1e-5, True), (5e-3, False)])
+def test_shadows_are_tried_then_kept_only_where_their_measured_rounds_cost_less(wait_s, shadowed):
+    """Unmeasured, shadows are tried; after `SHADOW_TRIAL` rounds that asked only shadows, what
+    those rounds cost beyond verify(B) decides: a drafter whose answer costs 2.5 plain rounds
+    is not asked again, a lookup whose answer costs next to nothing is."""
+    policy = shadowing_policy(shadow_cost_s=wait_s)
+    off_for_good(policy)
+    seq = SimpleNamespace(seq_id=1, tokens=[5, 6, 7], budget=None)
+    for round in range(SHADOW_TRIAL):
+        policy.budgets([1], [CEILING], 0, greedy=[True])
+        assert policy.shadowed == {1}, round  # tried
+        policy.shadow_trees([seq], [chain(1, round, 7, [8, 9])], round)
+        seq.tokens.append(3)  # the shadow is lost (settled): the next round may ask again
+        policy._shadow_round([seq], wait_s, 2e-3, False)
+    policy.budgets([1], [CEILING], 0, greedy=[True])
+    assert (policy.shadowed == {1}) is shadowed
+    assert policy._shadow_s == pytest.approx(wait_s, rel=0.1, abs=2e-5)
+
+
+def test_a_shadow_is_priced_by_its_measured_round_not_the_verify_fits_ask_term():
+    """Every asked sequence drafts, so the verify fit's per-asked and per-drafted terms move
+    together and may split their sum either way: pricing shadows by the per-asked one kept
+    them off where their rounds, measured, cost 10 us beyond verify(B)."""
+    policy = shadowing_policy()
+    for _ in range(20):  # drafting rounds at 1 ms more, all of it fittable as `ask`
+        policy.verify_cost.add((1, 1, 1, 1), 3e-3)
+    policy.verify_cost.solve()
+    off_for_good(policy)
+    seq = SimpleNamespace(seq_id=1, tokens=[5, 6, 7], budget=None)
+    for round in range(SHADOW_TRIAL):
+        policy.budgets([1], [CEILING], 0, greedy=[True])
+        policy.shadow_trees([seq], [chain(1, round, 7, [8, 9])], round)
+        seq.tokens.append(3)
+        policy._shadow_round([seq], 1e-5, 2e-3, False)
+    policy.budgets([1], [CEILING], 0, greedy=[True])
+    assert policy.shadowed == {1}
 
 
 def test_fixed_budgets_are_never_shadowed():
@@ -85,12 +129,12 @@ def test_a_shadow_is_verified_root_only_and_scored_once_its_tokens_are_committed
     assert before is None
 
     seq.tokens.append(8)  # the round commits the shadow's first token: not settled yet
-    policy._shadow_round([seq], 0.0)
+    policy._shadow_round([seq], 0.0, 2e-3, False)
     assert 1 not in policy.seqs and policy.stats.shadow_drafts == 0
 
     policy._next_solve = policy.rounds + 100
     seq.tokens.append(9)  # and its second: both kept
-    policy._shadow_round([seq], 0.0)
+    policy._shadow_round([seq], 0.0, 2e-3, False)
     assert policy.stats.shadow_drafts == 1 and policy.stats.shadow_kept == 2
     own = policy.seqs[1]
     assert own._sums[3][:2] == own._sums[0][:2]  # kept at depths 1 and 2, as tried
@@ -104,7 +148,7 @@ def test_a_shadow_lost_at_its_first_token_is_settled_at_once():
     policy.shadow_trees([seq], [chain(1, 9, 7, [8, 9])], round=9)
     seq.tokens.append(3)
     next_solve = policy._next_solve
-    policy._shadow_round([seq], 0.0)
+    policy._shadow_round([seq], 0.0, 2e-3, False)
     assert policy.stats.shadow_drafts == 1 and policy.stats.shadow_kept == 0
     assert policy._next_solve == next_solve
 
