@@ -30,6 +30,9 @@ class PolicyConfig:
     off_min_rounds: float = 3.0  # and rounds without drafts (steady: plain decoding)
     goodput_margin: float = 0.03  # drafting must measure this much less than off to be vetoed
     shadow_depth: int = 2  # tokens of an off greedy sequence's shadow draft (`policy_shadow`)
+    # A greedy probe drafts at least this deep: kept in a loop, 2 drafts commit 3 tokens, which
+    # pay for the round and start a probe chain; 1 could not (`Probing._probe_depth`).
+    greedy_probe_depth: int = 2
 
 
 @dataclass

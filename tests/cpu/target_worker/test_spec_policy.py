@@ -231,7 +231,8 @@ def test_sequences_turned_off_are_probed_until_drafts_pay_again():
     for _ in range(120):
         depths = [b.max_depth for b in policy.budgets([7, 8], [CEILING] * 2, 0)]
         if any(depths):
-            assert depths == [1, 1]  # a shared probe round: both at once
+            # A shared probe round: both at once, as shallow as a greedy probe may be.
+            assert depths == [policy.config.greedy_probe_depth] * 2
             probe_rounds.append(policy.rounds)
         outcomes = [(s, k, k, 0, 1) for s, k in zip([7, 8], depths, strict=True)]
         tokens, round_s, draft_s = cost(depths)
@@ -611,7 +612,9 @@ def test_a_probe_drafts_as_deep_as_the_batch_wide_counts_say_pays():
     assert depths[1] >= 6
 
 
-def test_a_probe_is_depth_1_where_the_batch_wide_counts_say_drafts_are_lost():
+def test_a_probe_is_as_shallow_as_allowed_where_the_batch_wide_counts_say_drafts_are_lost():
+    """1 deep where those counts are all it knows; greedy sequences (these) at least
+    `greedy_probe_depth`, so a probe that lands in a loop can show it pays."""
     policy = SpeculationPolicy(CEILING, PolicyConfig(probe_share=1.0))
     simulate(policy, {1: 0.02}, rounds=120, verify=(2.7e-3, 1e-4, 3e-3), draft=(1e-4, 1e-5))
     probes = []
@@ -619,7 +622,7 @@ def test_a_probe_is_depth_1_where_the_batch_wide_counts_say_drafts_are_lost():
         k = policy.budgets([1], [CEILING], 0)[0].max_depth
         probes += [k] if k else []
         policy.observe([(1, k, k, 0, 1)], 1 + k, 2.7e-3 + 3e-3 * (k > 0), 0, 0.0)
-    assert probes and set(probes) == {1}
+    assert probes and set(probes) == {policy.config.greedy_probe_depth}
 
 
 def test_probes_are_spaced_by_what_they_find_as_well_as_by_what_they_cost():
