@@ -137,6 +137,27 @@ def rotated_levels(apps: list[tuple[str, str]], halves: int, pin: bool = False, 
     return {who: level_figures(runs) for who, runs in blocks.items()}
 
 
+def measure_level(apps: list[tuple[str, str]], args: argparse.Namespace, flip: bool, model: str,
+                  prompts: list[tuple[int, ...]], concurrency: int, temperature: float, pin: bool,
+                  ignore_eos: bool) -> tuple[int, dict[str, dict]]:  # fmt: skip
+    """One level of `apps` (in reverse order if `flip`) in `args.halves` rotated blocks of at
+    least `args.requests` requests in all (and `args.halves` x c): (requests, their figures)."""
+    n = max(args.requests, args.halves * concurrency) // args.halves * args.halves
+    measured = rotated_levels(
+        apps[::-1] if flip else apps,
+        args.halves,
+        pin=pin,
+        model=model,
+        prompts=prompts,
+        concurrency=concurrency,
+        requests=n,
+        temperature=temperature,
+        max_tokens=args.max_tokens,
+        ignore_eos=ignore_eos,
+    )
+    return n, measured
+
+
 def level_figures(blocks: list[tuple[list, float, dict, dict]]) -> dict:
     """One row's figures over an application's blocks of a level."""
     records = [r for block in blocks for r in block[0]]
@@ -183,7 +204,7 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
     context = args.prompt_tokens + args.max_tokens + 16
     model, name = {"demo": args.size}, f"outrider-demo-{args.size}"
     levels = [(t, c) for t in args.temperatures for c in args.concurrency]
-    seqs = max(args.concurrency)
+    seqs = max(2, *args.concurrency)  # (the warm-up runs 2 at a time)
 
     def deploy(label: str, spec: dict | None, placement: str) -> str:
         variant = OFF if spec is None else placement
@@ -217,19 +238,16 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
             log(f"[{index + 1}] {method} {placement}: {len(budgets)} applications up in "
                 f"{time.perf_counter() - started:.0f} s")  # fmt: skip
             for j, (temperature, concurrency) in enumerate(levels):
-                n = max(args.requests, args.halves * concurrency) // args.halves * args.halves
-                order = apps[::-1] if (index + j) % 2 else apps
-                measured = rotated_levels(
-                    order,
-                    args.halves,
-                    pin=args.pin,
-                    model=name,
-                    prompts=prompts,
-                    concurrency=concurrency,
-                    requests=n,
-                    temperature=temperature,
-                    max_tokens=args.max_tokens,
-                    ignore_eos=args.ignore_eos,
+                n, measured = measure_level(
+                    apps,
+                    args,
+                    (index + j) % 2 == 1,
+                    name,
+                    prompts,
+                    concurrency,
+                    temperature,
+                    args.pin,
+                    args.ignore_eos,
                 )
                 common = {"temperature": temperature, "concurrency": concurrency, "requests": n}
                 rows.append({"method": OFF, "placement": "—", "budget": "—", **common, **measured[OFF]})

@@ -25,7 +25,7 @@ import argparse
 import os
 import time
 
-from outrider.benchmarks.bench_http_sweep import rotated_levels, run_level
+from outrider.benchmarks.bench_http_sweep import measure_level, run_level
 from outrider.benchmarks.bench_serving import app_args, start_local_ray, unpin
 from outrider.benchmarks.report import add_run_arguments, write_run_report
 
@@ -59,18 +59,9 @@ def session(args: argparse.Namespace, proxy: str, prompts: list, log=print) -> l
             apps.append((transport, base))
         for j, concurrency in enumerate(args.concurrency):
             started = time.perf_counter()
-            n = max(args.requests, args.halves * concurrency) // args.halves * args.halves
-            measured = rotated_levels(
-                apps if j % 2 == 0 else apps[::-1],
-                args.halves,
-                pin=True,
-                model=name,
-                prompts=prompts,
-                concurrency=concurrency,
-                requests=n,
-                temperature=args.temperature,
-                max_tokens=args.max_tokens,
-                ignore_eos=True,
+            # (every answer runs to --max-tokens: `ignore_eos`, which this parser does not offer)
+            n, measured = measure_level(  # every answer runs to --max-tokens (ignore_eos)
+                apps, args, j % 2 == 1, name, prompts, concurrency, args.temperature, True, True
             )
             base_tok_s = measured["ray"]["output_tok_s"]
             for transport in TRANSPORTS:
