@@ -17,7 +17,8 @@ must be below what probing alone loses per round at its spacing (`Probing._probe
 cost is measured whole, in rounds that asked only shadows: the drafter's answer waited for
 plus the round's time beyond verify(B) (asking, the answer's checks, the trees set aside), per
 shadowed sequence. Until `SHADOW_TRIAL` such rounds are measured shadows are tried wherever
-probing loses something. (Priced before through the verify fit's per-sequence `ask` term,
+probing loses something, for at most 4 x `SHADOW_TRIAL` rounds that ask any. (Priced before
+through the verify fit's per-sequence `ask` term,
 which moves with the per-drafted one, every asked sequence drafting: the fit split them
 0.58 / 0.30 ms in one run and 0.05 / 0.69 in the next, and shadows whose answer was waited
 for 50-60 us never ran.) A drafter on another machine, or a draft model, costs more than it
@@ -50,6 +51,7 @@ class Shadowing:
         # and their time beyond verify(B)), averaged; and how many such rounds measured it.
         self._shadow_s = 0.0
         self._shadow_rounds = 0
+        self._shadow_tries = 0  # rounds that asked any shadow
         self._shadow_pays = False  # whether shadowing paid when `budgets` last asked
 
     def _shadow(self, seq_ids: Seq[int], depths: list[int], ceiling: list[int], num_seqs: int) -> None:
@@ -73,7 +75,9 @@ class Shadowing:
         if plain_s <= 0:
             return False
         if self._shadow_rounds < SHADOW_TRIAL:
-            return True
+            # Tried, but not for good where rounds seldom ask shadows alone (a batch with
+            # drafts or prompt chunks beside them): unmeasured, they could cost anything.
+            return self._shadow_tries < 4 * SHADOW_TRIAL
         return max(self._shadow_s, 0.0) * num_seqs * num_seqs / plain_s < loss
 
     def shadow_trees(
@@ -101,6 +105,7 @@ class Shadowing:
         self._score_shadows(verified)
         shadowed = self.shadowed
         budgets = [0 if s.budget is None or s.seq_id in shadowed else s.budget.max_depth for s in verified]
+        self._shadow_tries += bool(shadowed)
         if shadowed and not any(budgets) and not prefill and self.verify_cost.knows(len(verified)):
             extra = draft_wait_s + round_s - self.verify_cost.plain_seconds(len(verified))
             per_seq = extra / max(1, sum(s.seq_id in shadowed for s in verified))

@@ -93,6 +93,22 @@ def test_shadows_are_tried_then_kept_only_where_their_measured_rounds_cost_less(
     assert policy._shadow_s == pytest.approx(wait_s, rel=0.1, abs=2e-5)
 
 
+def test_shadows_are_not_tried_for_good_where_no_round_measures_them_alone():
+    """Rounds that ask shadows beside a prompt chunk (or drafts) do not price them: after
+    4 x `SHADOW_TRIAL` such rounds, unmeasured shadows are asked no more."""
+    policy = shadowing_policy()
+    off_for_good(policy)
+    seq = SimpleNamespace(seq_id=1, tokens=[5, 6, 7], budget=None)
+    asked = 0
+    for round in range(8 * SHADOW_TRIAL):
+        policy.budgets([1], [CEILING], 0, greedy=[True])
+        asked += policy.shadowed == {1}
+        policy.shadow_trees([seq], [chain(1, round, 7, [8, 9])], round)
+        seq.tokens.append(3)
+        policy._shadow_round([seq], 1e-5, 2e-3, True)  # a prompt chunk in every round
+    assert asked == 4 * SHADOW_TRIAL and policy._shadow_rounds == 0
+
+
 def test_a_shadow_is_priced_by_its_measured_round_not_the_verify_fits_ask_term():
     """Every asked sequence drafts, so the verify fit's per-asked and per-drafted terms move
     together and may split their sum either way: pricing shadows by the per-asked one kept
