@@ -18,10 +18,9 @@ cost is measured whole, in rounds that asked only shadows: the drafter's answer 
 plus the round's time beyond verify(B) (asking, the answer's checks, the trees set aside), per
 shadowed sequence. Until `SHADOW_TRIAL` such rounds are measured shadows are tried wherever
 probing loses something, for at most 4 x `SHADOW_TRIAL` rounds that ask any. (Priced before
-through the verify fit's per-sequence `ask` term,
-which moves with the per-drafted one, every asked sequence drafting: the fit split them
-0.58 / 0.30 ms in one run and 0.05 / 0.69 in the next, and shadows whose answer was waited
-for 50-60 us never ran.) A drafter on another machine, or a draft model, costs more than it
+through the verify fit's per-sequence `ask` term, which moves with the per-drafted one, every
+asked sequence drafting: the fit split them 0.58 / 0.30 ms in one run and 0.05 / 0.69 in the
+next, and shadows whose answer was waited for 50-60 us never ran.) A drafter on another machine, or a draft model, costs more than it
 could find there; a lookup in the target's process next to nothing.
 
 A mixin of `SpeculationPolicy`, whose state it reads (`config`, `seqs`, `glob`, the cost fits).
