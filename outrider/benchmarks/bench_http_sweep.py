@@ -304,17 +304,19 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def level_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every HTTP benchmark of rotated levels takes (`measure_level`): lengths,
+    report folder, concurrencies, requests and blocks per level, prompts; `doc`'s first
+    paragraph is the description."""
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_run_arguments(parser, max_tokens=64, prompt_tokens=64)
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    parser.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64], help="default: 1,4,16,64")
-    parser.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
-    parser.add_argument("--methods", type=lambda s: s.split(","), default=["ngram", "draft_model"])
-    parser.add_argument("--placements", type=lambda s: s.split(","), default=list(PLACEMENTS))
-    parser.add_argument("--ks", type=ints, default=[1, 2, 4, 8], help="fixed K to compare (default: 1,2,4,8)")
+    parser.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64], help="default: 1,4,16,64")
     parser.add_argument(
         "--requests",
         type=int,
@@ -330,6 +332,17 @@ def main(argv: list[str] | None = None) -> None:
         "(A B C C B A ...); 1: one block each",
     )
     parser.add_argument("--prompts", type=int, default=32, help="distinct held-out prompts")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = level_parser(__doc__)
+    parser.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
+    parser.add_argument("--methods", type=lambda s: s.split(","), default=["ngram", "draft_model"])
+    parser.add_argument("--placements", type=lambda s: s.split(","), default=list(PLACEMENTS))
+    parser.add_argument(
+        "--ks", type=_ints, default=[1, 2, 4, 8], help="fixed K to compare (default: 1,2,4,8)"
+    )
     parser.add_argument(
         "--ignore-eos",
         action="store_true",

@@ -25,9 +25,9 @@ import argparse
 import os
 import time
 
-from outrider.benchmarks.bench_http_sweep import measure_level, run_level
+from outrider.benchmarks.bench_http_sweep import level_parser, measure_level, run_level
 from outrider.benchmarks.bench_serving import app_args, start_local_ray, unpin
-from outrider.benchmarks.report import add_run_arguments, write_run_report
+from outrider.benchmarks.report import write_run_report
 
 PROXY_SETTINGS = {"ray": "0", "grpc": "1"}  # RAY_SERVE_PROXY_USE_GRPC
 TRANSPORTS = ("ray", "grpc")  # TargetDeploymentArgs.transport
@@ -91,19 +91,11 @@ FIGURES = ("output_tok_s", "ttft_ms_median", "tpot_ms_median", "itl_ms_median", 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_run_arguments(parser, max_tokens=64, prompt_tokens=64)
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    parser.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64], help="default: 1,4,16,64")
+    parser = level_parser(__doc__)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument(
         "--method", default="off", help="off (plain decoding: the transport alone) or a speculative method"
     )
-    parser.add_argument("--requests", type=int, default=64, help="per application and level (default 64)")
-    parser.add_argument("--halves", type=int, default=4, help="alternating blocks per application")
-    parser.add_argument("--prompts", type=int, default=32, help="distinct held-out prompts")
     args = parser.parse_args(argv)
     from outrider.benchmarks.prompts import mid_prompt_ids
     from outrider.demo.family import ensure_demo_family
