@@ -33,6 +33,8 @@ class PolicyConfig:
     # A greedy probe drafts at least this deep: kept in a loop, 2 drafts commit 3 tokens, which
     # pay for the round and start a probe chain; 1 could not (`Probing._probe_depth`).
     greedy_probe_depth: int = 2
+    # ... unless this many (decayed) probes that deep kept their drafts and lost (`_greedy_floor`).
+    deep_probe_evidence: float = 2.0
 
 
 @dataclass

@@ -8,17 +8,28 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 
-def nonnegative_solve(q: np.ndarray, c: np.ndarray) -> np.ndarray:
+def nonnegative_solve(q: np.ndarray, c: np.ndarray, hint: np.ndarray | None = None) -> np.ndarray:
     """argmin over w >= 0 of w'Qw / 2 - c'w, Q positive definite (the normal equations of
     a least-squares fit): Lawson and Hanson's active set, on a handful of coefficients.
 
     Clipping the unconstrained solution at 0 instead is no fit at all where features move
     together: served at concurrency 1 (B always 1, so a and u B are one column) a server's
     first noisy rounds gave a = -1.6 ms, u = +2.7 ms; clipped, a round without drafts was
-    priced 3.7 ms where it took 2.05, and speculation stayed off for hundreds of rounds."""
+    priced 3.7 ms where it took 2.05, and speculation stayed off for hundreds of rounds.
+
+    `hint`: the coefficients held at 0 by the last fit (a boolean mask). Refits move little
+    between solves, so that set is tried first and kept where it is still optimal (the KKT
+    conditions hold): one solve instead of the active set's several, where a coefficient is
+    pinned at 0 for good (u at batch 1: ~0.2-0.4 ms a fit, 20% of the policy's time)."""
     w = np.linalg.solve(q, c)
     if (w >= 0).all():  # (one solve where no coefficient is pushed below 0)
         return w
+    if hint is not None and hint.any() and not hint.all():
+        idx, z = np.flatnonzero(~hint), np.zeros(len(c))
+        z[idx] = np.linalg.solve(q[np.ix_(idx, idx)], c[idx])
+        gradient = c - q @ z  # > 0 at a held coefficient: the objective would fall raising it
+        if (z[idx] > 0).all() and (gradient[hint] <= 1e-12 * (abs(c).max() + 1e-300)).all():
+            return z
     n = len(c)
     w, free = np.zeros(n), np.zeros(n, dtype=bool)
     for _ in range(3 * n):
@@ -112,7 +123,7 @@ class CostFit:
         ridge = 1e-6 * (np.trace(self.xtx) + self._weight)
         lhs = self.xtx.copy()
         lhs.flat[:: len(lhs) + 1] += ridge
-        self.w = nonnegative_solve(lhs, self.xty + ridge * self.w)
+        self.w = nonnegative_solve(lhs, self.xty + ridge * self.w, self.w == 0.0)
         self._coefficients = tuple(self.w.tolist())
         return self._coefficients
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from outrider.target_worker.policy_estimates import expected_gains, sequence_seconds
+from outrider.target_worker.policy_estimates import Outcome, expected_gains, sequence_seconds
 
 
 class Probing:
@@ -36,7 +36,8 @@ class Probing:
             return depths
         self._draft_octaves.add(len(seq_ids).bit_length())
         # (Depth 1 while the measured check vetoes drafting: it distrusts the model's gains.)
-        at = [1 if vetoed else self._probe_at[self._greedy.get(s, True)] for s in seq_ids]
+        probe_at = {False: self._probe_at[False], True: max(self._probe_at[True], self._greedy_floor())}
+        at = [1 if vetoed else probe_at[self._greedy.get(s, True)] for s in seq_ids]
         probed = [min(d, cap) if k == 0 else k for k, cap, d in zip(depths, ceiling, at, strict=True)]
         if probed != depths:  # a probe round is evidence of neither kind
             self.check.planned = None
@@ -89,7 +90,7 @@ class Probing:
         drafting waited on solves with nothing learnt past depth 1. Where the batch-wide
         counts say drafting seldom pays (T = 1) this is depth 1, as before.
 
-        Greedy sequences probe at least `greedy_probe_depth` (2) deep: their batch-wide counts
+        Greedy sequences probe at least `_greedy_floor` deep (`greedy_probe_depth`, 2): their batch-wide counts
         mix the stretches that pay with those that do not, and where those said depth 1, probes
         that landed in a loop kept 2 tokens, could not show that it paid, and the policy stayed
         off through whole looping requests (in-process ngram, batch 1, T = 0, 24 requests of 64
@@ -109,7 +110,20 @@ class Probing:
         seconds = sequence_seconds([row], b, ask, overhead, g, h)[0]
         rates = [row[0][k] / max(base_s + seconds[k] + c + e * k, 1e-9) for k in range(1, len(seconds))]
         best = 1 + max(range(len(rates)), key=rates.__getitem__) if rates else 1
-        return max(best, min(self.config.greedy_probe_depth, self.ceiling.max_depth)) if greedy else best
+        return best
+
+    def _greedy_floor(self) -> int:
+        """The least depth of a greedy probe: `greedy_probe_depth`, unless probes that deep
+        kept their drafts and still lost (`ProbeFinds.deep_kept`): a head whose drafts do not
+        pay even where the text loops (eagle3, mtp and draft_model chains, suffix decoding in
+        `outrider bench`, T = 0) then probes at the depth its counts say, as sampled
+        sequences do (with the floor everywhere those cells' drafter time share went from
+        0-1.6% to 1.8-2.8%, 0.97-0.99x plain to 0.95-0.97x). That evidence decays with every
+        probe, so the floor comes back to look again."""
+        f, floor = self._finds[True], min(self.config.greedy_probe_depth, self.ceiling.max_depth)
+        if f.deep_kept >= self.config.deep_probe_evidence and f.deep_gain <= 0.0:
+            return 1
+        return floor
 
     def _value_gap(self, greedy: bool) -> float | None:
         """The probe spacing that loses least, counting what probes find: a share h of them
@@ -201,13 +215,29 @@ class Probing:
             if at < self._next_probe:
                 self._next_probe, self._calm_until = at, min(self._calm_until, at)
 
-    def _note_probe(self, greedy: bool, gain: float, upside: float, kept: float = 0.0) -> None:
+    def _note_probes(self, outcomes: Seq[Outcome], gain: float, upside: float, kept: float) -> None:
+        """`_note_probe` for each sampling class a probe round (while off) asked to draft."""
+        shallowest: dict[bool, int] = {}  # each class's shallowest ask
+        for o in outcomes:
+            if o[1]:
+                kind = self._greedy.get(o[0], True)
+                shallowest[kind] = min(o[1], shallowest.get(kind, o[1]))
+        for kind, least in shallowest.items():
+            self._note_probe(kind, gain, upside, kept, least >= self.config.greedy_probe_depth)
+
+    def _note_probe(
+        self, greedy: bool, gain: float, upside: float, kept: float = 0.0, deep: bool = False
+    ) -> None:
         """A probe round of the class's sequences while speculation was off gained `gain`
         plain-equivalent tokens over a round without drafts (its drafter's catching up aside),
         and would have gained `upside` had every draft been kept; `kept`: the share of its
-        drafted tokens that were (a probe keeping at least half is a measured `kept_gain`)."""
+        drafted tokens that were (a probe keeping at least half is a measured `kept_gain`);
+        `deep`: every sequence of the class it asked drafted at least `greedy_probe_depth`."""
         f, d = self._finds[greedy], self.config.probe_find_decay
         held = kept >= 0.5
+        f.deep_kept, f.deep_gain = d * f.deep_kept, d * f.deep_gain
+        if held and deep:
+            f.deep_kept, f.deep_gain = f.deep_kept + 1.0, f.deep_gain + gain
         f.probes, f.finds, f.gain, f.upside, f.prior_weight, f.kept_probes, f.kept_gain = (
             d * f.probes + 1.0,
             d * f.finds,
@@ -253,3 +283,5 @@ class ProbeFinds:
     prior_weight: float = 1.0
     kept_probes: float = 0.0  # probes that kept at least half their drafted tokens
     kept_gain: float = 0.0  # and what they gained
+    deep_kept: float = 0.0  # of those, probes at least `greedy_probe_depth` deep (`_greedy_floor`)
+    deep_gain: float = 0.0  # and what they gained

@@ -37,7 +37,7 @@ class Quiet:
         self._quiet = False
         if not (self.config.adaptive and num_seqs) or (self._shadow_pays and True in self._kinds):
             return False  # (shadow drafts to ask for: `policy_shadow`)
-        vetoed = self._vetoed()
+        vetoed = self._vetoed(keep=True)
         calm = (
             self._off(vetoed)
             and self.rounds < self._next_probe

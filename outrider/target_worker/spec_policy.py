@@ -116,6 +116,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         self._gain_rows: dict[int, tuple[int, Row]] = {}  # seq_id -> (round, its `_gains` rows)
         self._gains_version = 0  # bumped whenever a row of `_gain_rows` is recomputed
         self._choice: tuple[tuple, list[int]] = ((), [])  # (what it was chosen from, the depths)
+        self._veto_asked = (-1, False)  # (the round, `quiet`'s `_vetoed` answer)
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
         self.check = GoodputCheck(self.config, self.stats)  # measured goodput (`policy_goodput`)
         self._predicted: dict[int, float] = {}
@@ -215,8 +216,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             plain = max(worth, 0.0) * off[0] / off[1]  # what an off round commits in its time
             tried = sum(o[2] for o in outcomes)
             kept = sum(o[3] for o in outcomes) / tried if tried else 0.0
-            for kind in {self._greedy.get(o[0], True) for o in outcomes if o[1]}:  # a probe while off
-                self._note_probe(kind, committed - plain, sum(o[2] + 1 for o in outcomes) - plain, kept)
+            self._note_probes(outcomes, committed - plain, sum(o[2] + 1 for o in outcomes) - plain, kept)
         asked = drafted = 0
         self._tree_nodes *= config.global_decay
         self._tree_depths *= config.global_decay
@@ -249,7 +249,9 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
                 self._tree_nodes += depth if draft_nodes is None else draft_nodes[i]
                 self._tree_depths += depth
             glob = self.glob[self._greedy.get(seq_id, True)]
-            own = self.seqs.setdefault(seq_id, DraftCounts.empty(glob.depth))
+            own = self.seqs.get(seq_id)
+            if own is None:  # (not `setdefault`: an empty one built every round cost ~5 us)
+                own = self.seqs[seq_id] = DraftCounts.empty(glob.depth)
             own.add(budget_depth, depth, accepted, config.sequence_decay)
             glob.add(budget_depth, depth, accepted, config.global_decay)
         shadows = sum(o[0] in self.shadowed for o in outcomes)  # asked as well (`policy_shadow`)
@@ -428,8 +430,17 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             self._solved_cap = max(ceiling, default=0)
         return choice
 
-    def _vetoed(self) -> bool:
-        return self.config.adaptive and not self._warming_up() and self.check.vetoed(self.rounds)
+    def _vetoed(self, keep: bool = False) -> bool:
+        """The goodput check's veto this round; asked by `quiet` (`keep`), then by `budgets`,
+        which takes that answer (nothing it reads moves between them) instead of asking again."""
+        asked, self._veto_asked = self._veto_asked, (-1, False)
+        if asked[0] == self.rounds:
+            vetoed = asked[1]
+        else:
+            vetoed = self.config.adaptive and not self._warming_up() and self.check.vetoed(self.rounds)
+        if keep:
+            self._veto_asked = (self.rounds, vetoed)
+        return vetoed
 
     def _checked(self, depths: list[int], vetoed: bool) -> list[int]:
         if not self.config.adaptive or self._warming_up():

@@ -56,6 +56,11 @@ def test_nonnegative_solve_is_the_constrained_minimum():
         w = nonnegative_solve(q, c)
         assert (w >= 0).all()
         assert objective(w) == pytest.approx(best, abs=1e-9 * (1 + abs(best)))
+        # A hint of the coefficients held at 0, right or wrong, finds the same optimum.
+        for hint in (w == 0.0, rng.random(n) < 0.5, w != 0.0):
+            hinted = nonnegative_solve(q, c, hint)
+            assert (hinted >= 0).all()
+            assert objective(hinted) == pytest.approx(best, abs=1e-9 * (1 + abs(best)))
 
 
 def test_the_cost_fit_refits_instead_of_clipping_where_features_move_together():

@@ -625,6 +625,25 @@ def test_a_probe_is_as_shallow_as_allowed_where_the_batch_wide_counts_say_drafts
     assert probes and set(probes) == {policy.config.greedy_probe_depth}
 
 
+def test_greedy_probes_go_back_to_depth_1_where_deep_ones_kept_their_drafts_and_lost():
+    """Drafts seldom kept (the batch-wide counts say depth 1), but those of probes are (a
+    loop) and cost more than they commit (each draft token 3 ms): once greedy probes
+    `greedy_probe_depth` deep have measured that, probes are 1 deep; that evidence decays
+    with every probe, so the floor comes back to look again."""
+    policy = SpeculationPolicy(CEILING, PolicyConfig(probe_share=1.0))
+    simulate(policy, {1: 0.02}, rounds=120, verify=(2.7e-3, 1e-4, 3e-3), draft=(1e-4, 1e-5))
+    probes = []
+    while len(probes) < 4:
+        k = policy.budgets([1], [CEILING], 0)[0].max_depth
+        probes += [k] if k else []
+        policy.observe([(1, k, k, k, k + 1)], 1 + k, 2.7e-3 + 3e-3 * k + 3e-3 * (k > 0), 0, 0.0)
+    deep = policy.config.greedy_probe_depth
+    assert probes == [deep, deep, deep, 1] and policy._greedy_floor() == 1
+    for _ in range(40):  # shallow probes only: the deep ones' evidence decays
+        policy._note_probe(True, -1.0, 1.0, kept=1.0)
+    assert policy._greedy_floor() == deep
+
+
 def test_probes_are_spaced_by_what_they_find_as_well_as_by_what_they_cost():
     policy = SpeculationPolicy(CEILING, PolicyConfig())
     policy._probe_extra = 2.0  # a probe round costs 2 plain-equivalent tokens more than an off one
