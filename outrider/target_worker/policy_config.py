@@ -16,6 +16,7 @@ class PolicyConfig:
     global_decay: float = 0.995
     cost_decay: float = 0.98  # per-round decay of the cost fits' sums (conditions drift)
     resolve_every: int = 8  # rounds between full solves of the deepest budget and the ratio
+    fit_every: int = 16  # rounds between refits of the cost fits (at a full solve)
     gain_refresh: int = 4  # rounds a sequence's expected tokens and nodes are reused
     max_resolve_every: int = 64  # the spacing doubles up to this while solves keep their answer
     # While off, probes may cost about this share of the time. Where nothing is found (T = 1)

@@ -212,7 +212,7 @@ class RoundCost:
         """`add` of several rounds in which nobody was asked to draft (features (N, 0, 0, B)),
         in order; `forward_s` NaN where not timed, `decode` False where prompt chunks rode along
         (so every fitted one has N = B: no lone step)."""
-        for seqs_ in np.unique(seqs[decode]):
+        for seqs_ in set(seqs[decode].tolist()):  # (not np.unique: ~0.2 ms a call here)
             self._seen(seqs_)
         timed = ~np.isnan(forward_s)
         fitted = timed & decode

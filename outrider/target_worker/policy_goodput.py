@@ -57,7 +57,7 @@ class GoodputCheck:
         """`timed` of several rounds, in order, the last one round `rounds`."""
         weights = self.config.goodput_decay ** np.arange(len(tokens) - 1, -1, -1.0)
         octaves = np.frexp(tokens)[1]  # (N.bit_length())
-        for octave in np.unique(octaves):
+        for octave in set(octaves.tolist()):  # (not np.unique: ~0.2 ms a call here)
             w = np.where(octaves == octave, weights, 0.0)
             self._time(int(octave), (w @ measured, w @ predicted, w.sum()), rounds)
 

@@ -106,16 +106,18 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         # the drafter up included: probes spaced wider catch up on more, so a drafter whose
         # catching up alone costs more than `probe_share` is probed at the widest spacing).
         self._probing, self._probe_extra = False, None  # None: not measured yet
+        self._empty_gap = self.config.probe_every  # the next probe's spacing after an empty one
         # What probes found, per sampling class, for their spacing (`_value_gap`); the prior
         # find of a greedy probe is half a find, of a sampled one none.
         self._finds = {True: ProbeFinds(prior=0.5), False: ProbeFinds(prior=0.0)}
         self._kinds: set[bool] = set()  # the sampling classes of the last `budgets` batch
-        # The depth a probe drafts, per sampling class: the best for a sequence known only by
-        # the batch-wide counts (`_probe_depths`), set at each full solve.
-        self._probe_at = {True: 1, False: 1}
+        # What a probe's depth is weighed against (`_probe_depths`): the cost terms of the last
+        # full solve (None: depth 1), and the depths once a probe has asked for them.
+        self._probe_at: tuple | dict[bool, int] | None = None
         self._gain_rows: dict[int, tuple[int, Row]] = {}  # seq_id -> (round, its `_gains` rows)
         self._gains_version = 0  # bumped whenever a row of `_gain_rows` is recomputed
         self._choice: tuple[tuple, list[int]] = ((), [])  # (what it was chosen from, the depths)
+        self._next_fit = 0  # the round from which a solve refits the cost fits
         self._veto_asked = (-1, False)  # (the round, `quiet`'s `_vetoed` answer)
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
         self.check = GoodputCheck(self.config, self.stats)  # measured goodput (`policy_goodput`)
@@ -211,12 +213,8 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         # catching up on every token since the last probe: the pause's cost, not drafting's.
         worth -= self.draft_cost.coefficients()[2] * self._sent * len(outcomes) / (plain_s or 1.0)
         probe_paid = off[2] < config.off_min_rounds or committed * off[1] >= off[0] * max(worth, 0.0)
-        measured_off = off[2] >= config.off_min_rounds and off[1] > 0 and not prefill_tokens
-        if measured_off and self._solved is not None and self._solved[0] == 0 and any(o[1] for o in outcomes):
-            plain = max(worth, 0.0) * off[0] / off[1]  # what an off round commits in its time
-            tried = sum(o[2] for o in outcomes)
-            kept = sum(o[3] for o in outcomes) / tried if tried else 0.0
-            self._note_probes(outcomes, committed - plain, sum(o[2] + 1 for o in outcomes) - plain, kept)
+        if self._solved is not None and self._solved[0] == 0 and any(o[1] for o in outcomes):
+            self._note_probes(outcomes, committed, worth, prefill_tokens)  # a probe while off
         asked = drafted = 0
         self._tree_nodes *= config.global_decay
         self._tree_depths *= config.global_decay
@@ -379,9 +377,13 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             # Warm-up: every depth in turn, so both cost fits see the spread they need.
             return [min(cap, self.rounds % (self.ceiling.max_depth + 1)) for cap in ceiling]
         due = self._due()
-        if due:
+        if due and (self._solved is None or self.rounds >= self._next_fit):
+            # The cost fits move slowly (decayed over ~100 rounds): refitted every `fit_every`
+            # rounds at most, not at every solve (at batch 1 refitting cost ~0.3 ms, a solve
+            # ~15 rounds apart: ~1% of a round).
             self.verify_cost.solve()
             self.draft_cost.solve()
+            self._next_fit = self.rounds + self.config.fit_every
         a, b, ask, overhead, u, j = self.verify_cost.coefficients()
         c, e, g, h = self.draft_cost.coefficients()
         if len(rows) == 1 and not prefill_tokens:  # a lone tree with drafts steps up (`RoundCost`)
@@ -407,9 +409,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         pick = max(ms, key=lambda m: options[m][0] / scale[m])  # the first of equals
         self._lam, choice = options[pick]
         if due:
-            self._probe_at = {
-                kind: self._probe_depth(kind, fixed_s, b, ask, overhead) for kind in (True, False)
-            }
+            self._probe_at = (fixed_s, b, ask, overhead)  # (`_probe_depths`, when a probe needs them)
             # Solves that keep their answer (the deepest budget; off included) are spaced ever
             # wider: between them each sequence still re-picks its depth, and a kept probe asks
             # for the next solve at once; a new answer is checked `resolve_every` rounds on. (At

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from outrider.proto import TreeBudget
+from outrider.target_worker import policy_quiet
 from outrider.target_worker.policy_estimates import sequence_seconds
 from outrider.target_worker.spec_policy import PolicyConfig, SpeculationPolicy
 
@@ -214,6 +215,34 @@ def test_asking_a_drafter_that_mostly_proposes_nothing_is_priced_by_what_it_draf
     # frequent here since they cost next to nothing).
     given = lookup_rounds(SpeculationPolicy(CEILING), proposes=0.2, keeps=0.05, rounds=400)
     assert sum(k <= 1 for k in given[200:]) >= 195
+
+
+def test_a_probe_the_drafter_had_nothing_for_brings_the_next_one_in():
+    """A lookup with no match (prose) answers a probe with nothing: no evidence of what drafts
+    are worth, so the next probe comes `probe_every` rounds on at most, then 2x, up to 4x
+    while they come back empty, however far the cost alone had set it (the policy stayed off
+    through later loops); a probe that keeps a draft starts the spacing over."""
+    policy = SpeculationPolicy(CEILING)
+    lookup_rounds(policy, proposes=0.2, keeps=0.0, rounds=200)  # lost drafts: off
+    every, probes, k, match = policy.config.probe_every, [], 0, False
+    for _ in range(600):
+        drafted = k if match else 0
+        policy.observe([(0, k, drafted, drafted, drafted + 1)], 1 + drafted, 1e-3 * (2 + drafted), k, 0.0)
+        k = policy.budgets([0], [CEILING], 0)[0].max_depth
+        if k and policy._solved[0] == 0:  # a probe: spaced as by its cost alone, far off
+            probes.append(policy.rounds)
+            policy._next_probe = policy.rounds + 500
+            match = len(probes) == 5  # the fifth probe finds a match, kept whole
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert max(gaps[:4]) <= 4 * every + 1 and gaps[4] <= 2  # (a kept probe: the next at once)
+    fresh, spacing = SpeculationPolicy(CEILING), []
+    for _ in range(4):  # empty probes in a row: 1x, 2x, 4x, 4x `probe_every`
+        fresh._next_probe = fresh.rounds + 500
+        fresh._note_probes([(0, 2, 0, 0, 1)], 1, 1.0, 0)
+        spacing.append(fresh._next_probe - fresh.rounds)
+    assert spacing == [every, 2 * every, 4 * every, 4 * every]
+    fresh._note_probes([(0, 2, 2, 1, 2)], 2, 1.0, 0)  # one that keeps a draft starts over
+    assert fresh._empty_gap == every
 
 
 def test_sequences_turned_off_are_probed_until_drafts_pay_again():
@@ -522,10 +551,12 @@ def test_rounds_without_drafts_stand_in_for_off_probes():
     assert policy.stats.off_probes - probes <= 1
 
 
-def test_quiet_rounds_decide_as_the_full_path_does():
+@pytest.mark.parametrize("scalar_fold", [0, 10_000])  # numpy folds, row-by-row folds
+def test_quiet_rounds_decide_as_the_full_path_does(monkeypatch, scalar_fold):
     """While speculation is off with nothing due, the engine skips `budgets` (`quiet`) and
     the round is only measured (`observe_quiet`): the decisions, counters and measurements
     are those of the full path, round for round, and most rounds are quiet."""
+    monkeypatch.setattr(policy_quiet, "SCALAR_FOLD", scalar_fold)
 
     def drive(quiet: bool) -> tuple[list[int], SpeculationPolicy, int]:
         policy, rng = SpeculationPolicy(CEILING), random.Random(0)
