@@ -23,6 +23,7 @@ class PolicyConfig:
     # they are pure loss: at 1%, with the quiet rounds' ~1% and the warm-up, adaptive heads ran
     # 0.96x plain at batch 1 (eagle3's probe catching up ~190 held tokens: ~12 ms, 8 rounds).
     probe_share: float = 0.005
+    empty_probe_share: float = 0.02  # what probes the drafter had nothing for may cost (`_note_probes`)
     warmup_cycles: int = 2  # rounds 0 .. (ceiling + 1) * cycles - 1 cycle the depth 0 .. ceiling
     probe_find_decay: float = 0.95  # per-probe decay of what probes found (`_value_gap`)
     probe_chain: int = 32  # kept probes in a row that paid, before spacing them again

@@ -243,6 +243,9 @@ def test_a_probe_the_drafter_had_nothing_for_brings_the_next_one_in():
     assert spacing == [every, 2 * every, 4 * every, 4 * every]
     fresh._note_probes([(0, 2, 2, 1, 2)], 2, 1.0, 0)  # one that keeps a draft starts over
     assert fresh._empty_gap == every
+    fresh._probe_extra, fresh._next_probe = 2.0, fresh.rounds + 500  # a probe costs 2 plain rounds
+    fresh._note_probes([(0, 2, 0, 0, 1)], 1, 1.0, 0)  # (a remote lookup's round trip)
+    assert fresh._next_probe - fresh.rounds == int(2.0 / fresh.config.empty_probe_share)
 
 
 def test_sequences_turned_off_are_probed_until_drafts_pay_again():
