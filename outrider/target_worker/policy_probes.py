@@ -86,9 +86,13 @@ class Probing:
         weighed against the last full solve's costs: worked out at the first probe after it
         (most solves are followed by none; at batch 1 this was ~4% of the policy's time)."""
         if self._probe_at is None:
-            return {True: self._greedy_floor(), False: 1}
-        if isinstance(self._probe_at, tuple):
-            self._probe_at = {kind: self._probe_depth(kind, *self._probe_at) for kind in (True, False)}
+            terms = self._probe_terms
+            at = (
+                {True: 1, False: 1}
+                if terms is None
+                else {g: self._probe_depth(g, *terms) for g in (True, False)}
+            )
+            self._probe_at = at
         return {True: max(self._probe_at[True], self._greedy_floor()), False: self._probe_at[False]}
 
     def _probe_depth(self, greedy: bool, base_s: float, b: float, ask: float, overhead: float) -> int:

@@ -112,8 +112,9 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         self._finds = {True: ProbeFinds(prior=0.5), False: ProbeFinds(prior=0.0)}
         self._kinds: set[bool] = set()  # the sampling classes of the last `budgets` batch
         # What a probe's depth is weighed against (`_probe_depths`): the cost terms of the last
-        # full solve (None: depth 1), and the depths once a probe has asked for them.
-        self._probe_at: tuple | dict[bool, int] | None = None
+        # full solve (None: none yet, depth 1), and the depths worked out from them (None: not yet).
+        self._probe_terms: tuple[float, float, float, float] | None = None
+        self._probe_at: dict[bool, int] | None = None
         self._gain_rows: dict[int, tuple[int, Row]] = {}  # seq_id -> (round, its `_gains` rows)
         self._gains_version = 0  # bumped whenever a row of `_gain_rows` is recomputed
         self._choice: tuple[tuple, list[int]] = ((), [])  # (what it was chosen from, the depths)
@@ -409,7 +410,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         pick = max(ms, key=lambda m: options[m][0] / scale[m])  # the first of equals
         self._lam, choice = options[pick]
         if due:
-            self._probe_at = (fixed_s, b, ask, overhead)  # (`_probe_depths`, when a probe needs them)
+            self._probe_terms, self._probe_at = (fixed_s, b, ask, overhead), None  # (`_probe_depths`)
             # Solves that keep their answer (the deepest budget; off included) are spaced ever
             # wider: between them each sequence still re-picks its depth, and a kept probe asks
             # for the next solve at once; a new answer is checked `resolve_every` rounds on. (At
