@@ -234,24 +234,36 @@ class Probing:
         `_note_probe` for each sampling class it asked, once rounds without drafts are measured.
 
         A probe whose drafter had nothing for anyone (a lookup that matched nothing: every tree
-        root-only) says nothing of what drafts are worth, and is not noted; the next probe comes
-        `_empty_gap` rounds on at most (from `probe_every`, doubling while probes come back
-        empty or lose every draft, up to 4x that), or as far as keeps such probes within
-        `empty_probe_share` (2%) of the time at what a probe costs: a remote lookup's probe
-        costs ~2 plain rounds (its round trip), and probes every 16-64 rounds took the
-        disaggregated ngram at T = 1 from 0.97-1.01x off to 0.95-0.97x (prose: most probes
-        empty). Noted, its upside (nothing drafted) read as drafts not paying,
-        and probes were spaced by cost alone: in-process ngram at batch 1, T = 0, the first
-        requests' probes found no match (prose), the next probe was set ~500 rounds on, and the
-        policy stayed off through the loops of the following requests in about half the runs
-        (0.80-0.85x fixed K = 8)."""
+        root-only) says nothing of what drafts are worth, and is not noted. Noted, its upside
+        (nothing drafted) read as drafts not paying, and probes were spaced by cost alone:
+        in-process ngram at batch 1, T = 0, the first requests' probes found no match (prose),
+        the next probe was set ~500 rounds on, and the policy stayed off through the loops of
+        the following requests in about half the runs (0.80-0.85x fixed K = 8).
+
+        The next probe comes `_empty_gap` rounds on at most (from `probe_every`, doubling while
+        probes come back empty or lose every draft, up to 4x that), or as far as keeps empty
+        probes within `empty_probe_share` (2%) of the time at what they measured to cost
+        (`_empty_extra`, in rounds; until one is measured, what any probe cost). Their
+        drafter's catching up is left out: it is owed whenever the sequence next drafts,
+        however probes are spaced. A remote lookup's empty probe costs its round trip (~2
+        plain rounds): probes every 16-64 rounds took the disaggregated ngram at T = 1 from
+        0.97-1.01x off to 0.95-0.97x (prose: most probes empty). An in-process one's costs a
+        fraction of a round; spaced by what any probe cost (drafted ones verify their drafts
+        too), co-located ngram over HTTP at c = 1, T = 0 was off in 18.9% of sequence-rounds
+        (4.9% with empty probes every 16-64 rounds) and caught loops late."""
         config, off = self.config, self.check.off
         tried = sum(o[2] for o in outcomes)
         if not tried:
             # No closer than keeps empty probes within `empty_probe_share` of the time by what
-            # a probe measured to cost (`_probe_extra`, its drafter's round trip included).
-            extra = 0.0 if self._probe_extra is None else self._probe_extra
-            gap = max(self._empty_gap, int(extra / config.empty_probe_share))
+            # they measured to cost (their drafter's round trip included), in rounds.
+            per_round = off[1] / off[2] if off[2] > 0 and off[1] > 0 else float(len(outcomes))
+            if off[2] >= config.off_min_rounds and not prefill_tokens:
+                extra = max(0.0, worth - per_round)
+                known = self._empty_extra
+                self._empty_extra = extra if known is None else 0.5 * (known + extra)
+            extra = self._probe_extra if self._empty_extra is None else self._empty_extra
+            rounds = 0.0 if extra is None else extra / per_round
+            gap = max(self._empty_gap, int(rounds / config.empty_probe_share))
             self._next_probe = min(self._next_probe, self.rounds + gap)
             self._empty_gap = min(2 * self._empty_gap, 4 * config.probe_every)
             return

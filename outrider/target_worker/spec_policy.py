@@ -99,13 +99,13 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         self._lam = 0.0  # the last choice's rate (committed tokens a second)
         self._probe_interval, self._next_probe = self.config.probe_every, 0
         self._last_probe, self._jitter = 0, 1.0  # the round of the last probe, its spacing's jitter
-        self._rng = random.Random(0)
-        self._chain = 0  # kept probes in a row since speculation was last on
+        self._rng, self._chain = random.Random(0), 0  # _chain: kept probes in a row since last on
         # Probe rounds while off: whether the planned round is one, and what a probe round
         # costs beyond a round without drafts (plain-equivalent tokens, as `check`; catching
         # the drafter up included: probes spaced wider catch up on more, so a drafter whose
-        # catching up alone costs more than `probe_share` is probed at the widest spacing).
-        self._probing, self._probe_extra = False, None  # None: not measured yet
+        # catching up alone costs more than `probe_share` is probed at the widest spacing;
+        # `_empty_extra`: the same for probes the drafter had nothing for, its catching up aside).
+        self._probing, self._probe_extra, self._empty_extra = False, None, None  # None: not measured yet
         self._empty_gap = self.config.probe_every  # the next probe's spacing after an empty one
         # What probes found, per sampling class, for their spacing (`_value_gap`); the prior
         # find of a greedy probe is half a find, of a sampled one none.

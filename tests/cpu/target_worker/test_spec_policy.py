@@ -248,6 +248,29 @@ def test_a_probe_the_drafter_had_nothing_for_brings_the_next_one_in():
     assert fresh._next_probe - fresh.rounds == int(2.0 / fresh.config.empty_probe_share)
 
 
+def test_empty_probes_are_spaced_by_what_empty_ones_measured_to_cost_in_rounds():
+    """Once rounds without drafts are measured, an empty probe's cost is measured too (its
+    worth over an off round's, in rounds: 16 sequences' off round is worth 16 tokens), and
+    spaces the next ones, not what drafted probes cost (they verify their drafts as well): an
+    in-process lookup's empty probes, a fifth of a round, come every `probe_every` rounds or
+    so; a remote one's, two rounds (its round trip), ~100 rounds apart."""
+    every = PolicyConfig().probe_every
+    for cost_rounds, least, most in ((0.2, every, 4 * every), (2.0, 90, 110)):
+        policy = SpeculationPolicy(CEILING)
+        policy.check.kinds[False][:] = [160.0, 160.0, 10.0]  # off rounds: 16 tokens' worth each
+        policy._probe_extra = 16.0 * 3.0  # drafted probes: three rounds (their verify too)
+        spacing = []
+        for _ in range(4):
+            policy._next_probe = policy.rounds + 1000
+            policy._note_probes([(s, 2, 0, 0, 1) for s in range(16)], 16, 16.0 * (1.0 + cost_rounds), 0)
+            spacing.append(policy._next_probe - policy.rounds)
+        assert policy._empty_extra == pytest.approx(16.0 * cost_rounds)
+        assert all(least <= g <= most for g in spacing), spacing
+        # A round with prompt chunks measures nothing (its worth is the chunks' too).
+        policy._note_probes([(s, 2, 0, 0, 1) for s in range(16)], 16, 16.0 * 9.0, 64)
+        assert policy._empty_extra == pytest.approx(16.0 * cost_rounds)
+
+
 def test_sequences_turned_off_are_probed_until_drafts_pay_again():
     # probe_share 1: probes are never too dear here (the next test spaces dear ones).
     policy = SpeculationPolicy(CEILING, PolicyConfig(probe_every=4, max_probe_every=32, probe_share=1.0))
