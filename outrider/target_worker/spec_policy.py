@@ -295,15 +295,9 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             for seq, tree, budget, n, out in zip(verified, trees, budgets, nodes, output, strict=True)
         ]
         tokens = sum(nodes) + len(nodes) + plan.num_prefill_tokens  # the forward's (Python ints)
+        deepest = max(budgets, default=0)
         self.observe(
-            outcomes,
-            tokens,
-            round_s,
-            max(budgets, default=0),
-            draft_wait_s,
-            plan.num_prefill_tokens,
-            nodes,
-            forward_s,
+            outcomes, tokens, round_s, deepest, draft_wait_s, plan.num_prefill_tokens, nodes, forward_s
         )
 
     def forget(self, seq_id: int, tokens: int | None = None, greedy: bool = True) -> None:
@@ -390,7 +384,9 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         if len(rows) == 1 and not prefill_tokens:  # a lone tree with drafts steps up (`RoundCost`)
             overhead += j
         seconds = sequence_seconds(rows, b, ask, overhead, g, h)
-        fixed_s = a + b * prefill_tokens + u * len(rows)  # (u: every sequence's, whatever its depth)
+        # Prompt chunks cost b x their tokens whatever the depths: out of the rate, which
+        # they lowered till drafts that lose to plain decoding looked worth it (docs 2c).
+        fixed_s = a + u * len(rows)  # (u: every sequence's, whatever its depth)
 
         def best(m: int) -> tuple[float, list[int]]:
             return dinkelbach(rows, seconds, ceiling, m, fixed_s + (c + e * m if m else 0.0), self._lam)

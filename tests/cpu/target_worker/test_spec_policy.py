@@ -248,6 +248,25 @@ def test_a_probe_the_drafter_had_nothing_for_brings_the_next_one_in():
     assert fresh._next_probe - fresh.rounds == int(2.0 / fresh.config.empty_probe_share)
 
 
+def test_prompt_chunks_in_the_forward_do_not_make_losing_drafts_look_worth_their_time():
+    """A round that carries prompt chunks costs b x their tokens whatever the depths. Priced
+    into the round's rate, they lowered it, and drafts that lose against plain decoding
+    looked worth it: a draft model at T = 0, batch 16, drafted 8 deep beside every batch's
+    prompts (~60 ms rounds where plain decoding took ~26), ~6% of the time. The depths beside
+    prompt chunks are those of the same batch without them."""
+    ids = list(range(16))
+    policy = SpeculationPolicy(CEILING)
+    # Verify 1 ms + 0.2 ms a token: at batch 16 a drafted token (0.8 kept) costs more than
+    # the plain tokens of its time.
+    simulate(policy, dict.fromkeys(ids, 0.8), rounds=300, verify=(1e-3, 2e-4, 0.0))
+    policy._next_solve = policy.rounds  # a solve now
+    rows, ceiling = policy._gain(ids), [CEILING.max_depth] * len(ids)
+    without = policy._depths(rows, ceiling, 0)
+    policy._next_solve = policy.rounds
+    beside = policy._depths(rows, ceiling, 256)
+    assert not any(without) and beside == without
+
+
 def test_empty_probes_are_spaced_by_what_empty_ones_measured_to_cost_in_rounds():
     """Once rounds without drafts are measured, an empty probe's cost is measured too (its
     worth over an off round's, in rounds: 16 sequences' off round is worth 16 tokens), and
