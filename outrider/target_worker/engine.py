@@ -394,7 +394,7 @@ class Engine:
         if self.drafts is None:
             return
         going = [s for s in verified if s.decoding and not s.finished]
-        if self.policy.quiet(len(going)):  # speculation off, nothing due: no budgets to give
+        if self.policy.quiet(len(going), any(len(s.output_ids) == 1 for s in going)):  # off, none due
             for seq in going:
                 seq.budget, seq.asked = NO_DRAFT, False
             if finished:

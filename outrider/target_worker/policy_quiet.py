@@ -26,12 +26,23 @@ SCALAR_FOLD = 128
 
 
 class Quiet:
-    def quiet(self, num_seqs: int) -> bool:
+    def quiet(self, num_seqs: int, arrived: bool = False) -> bool:
         """Whether next round is off for every sequence with nothing to decide: speculation is
         off, no solve, probe or shadow is due, and no sequence could draft deeper than the last
         solve weighed. Then the engine sends no budgets and `observe_round` only measures the
-        round (the full path cost ~2% of a round without drafts at batch 1). Counted as `budgets` would."""
+        round (the full path cost ~2% of a round without drafts at batch 1). Counted as `budgets` would.
+
+        `arrived`: a sequence among them decodes for the first time. While off everywhere it
+        is decided for at once (a solve, at most every `resolve_every` rounds): it is known by
+        its class's batch-wide counts alone, which may say its drafts pay where the sequences
+        the last solve weighed did not (unseen in a calm stretch, a new request at batch 1
+        waited for the next probe, up to ~64 rounds: most of a 64-token request)."""
         stats = self.stats
+        if arrived and self._solved is not None and self._solved[0] == 0:
+            soonest = self._arrival_solve + self.config.resolve_every
+            if self.rounds >= soonest and self._next_solve > self.rounds:
+                self._next_solve, self._arrival_solve = self.rounds, self.rounds
+                self._calm_until = min(self._calm_until, self.rounds)
         calm = self.rounds < self._calm_until and self._draft_cost_at(num_seqs)  # (nothing it reads moved)
         if self._quiet and num_seqs and calm:
             stats.depth_counts[0] += num_seqs

@@ -95,7 +95,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         self.rounds = 0
         self._solved: tuple[int, float] | None = None  # (deepest budget, ratio) of the last full solve
         self._solve_interval, self._next_solve = self.config.resolve_every, 0
-        self._solved_cap = 0  # the deepest per-sequence ceiling the last solve could choose
+        self._solved_cap, self._arrival_solve = 0, -(1 << 30)  # (the last, by an arrival: `quiet`)
         self._lam = 0.0  # the last choice's rate (committed tokens a second)
         self._probe_interval, self._next_probe = self.config.probe_every, 0
         self._last_probe, self._jitter = 0, 1.0  # the round of the last probe, its spacing's jitter

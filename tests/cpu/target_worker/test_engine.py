@@ -238,7 +238,7 @@ def test_with_no_sequence_drafting_one_forward_verifies_the_whole_batch(runner, 
     assert engine.lanes == 2 and engine.lane_tuner is not None
     policy = engine.policy
 
-    def off(num_seqs: int) -> bool:  # the policy keeps speculation off for every sequence
+    def off(num_seqs: int, arrived: bool = False) -> bool:  # the policy keeps speculation off for all
         policy._quiet = True
         return True
 
@@ -363,7 +363,7 @@ def test_features_are_the_hidden_states_that_predicted_each_token(
 
     engine = make_engine(runner, Recorder(), budget_policy="fixed", max_batch=max_batch)
     if held:
-        engine.policy.quiet = lambda num_sequences: engine.round % 12 != 0
+        engine.policy.quiet = lambda num_sequences, arrived=False: engine.round % 12 != 0
         monkeypatch.setattr(drafter_features, "MAX_HELD_TENSORS", 2)
     engine.generate(prompts[2:], RequestParams(max_tokens=40 if held else 16))
     if held:

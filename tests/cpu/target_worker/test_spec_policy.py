@@ -217,6 +217,35 @@ def test_asking_a_drafter_that_mostly_proposes_nothing_is_priced_by_what_it_draf
     assert sum(k <= 1 for k in given[200:]) >= 195
 
 
+def test_a_sequence_decoding_for_the_first_time_is_decided_for_at_once_while_off():
+    """Off everywhere, in a calm stretch, a new request's sequence (`quiet(..., arrived=True)`)
+    makes a solve due at once, at most every `resolve_every` rounds: known only by its class's
+    batch-wide counts, it may pay where the last solve's sequences did not (unseen, a new
+    request at batch 1 waited for the next probe)."""
+    policy = SpeculationPolicy(CEILING)
+    lookup_rounds(policy, proposes=0.2, keeps=0.0, rounds=200)  # lost drafts: off
+    assert policy._solved[0] == 0
+    policy._next_probe = policy._next_solve = policy.rounds + 500  # nothing due for long
+    quiet = []
+    for _ in range(3):
+        quiet.append(policy.quiet(1))
+        policy.observe_quiet(1, 0, 2e-3)
+    assert quiet[1:] == [True, True]
+    assert not policy.quiet(1, arrived=True) and policy._due()
+    policy.budgets([1000], [CEILING], 0)  # the solve
+    assert not policy._due()
+    policy.observe([(1000, 0, 0, 0, 1)], 1, 2e-3, 0, 0.0)
+    policy.quiet(1, arrived=True)  # another, within `resolve_every` rounds: no solve
+    assert not policy._due()
+    # While drafting (not off everywhere) an arrival changes nothing here.
+    drafting = SpeculationPolicy(CEILING)
+    lookup_rounds(drafting, proposes=1.0, keeps=0.97, rounds=200)
+    assert drafting._solved[0] > 0
+    due = drafting._next_solve
+    drafting.quiet(1, arrived=True)
+    assert drafting._next_solve == due
+
+
 def test_a_probe_the_drafter_had_nothing_for_brings_the_next_one_in():
     """A lookup with no match (prose) answers a probe with nothing: no evidence of what drafts
     are worth, so the next probe comes `probe_every` rounds on at most, then 2x, up to 4x
