@@ -62,7 +62,9 @@ class Shadowing:
         ]  # (weighed only where some greedy sequence is off: `budgets` runs every round)
         self._shadow_pays = bool(off) and self.config.adaptive and not self._warming_up()
         self._shadow_pays = self._shadow_pays and self._shadow_worth(num_seqs)
-        self.shadowed = {s for s in off if s not in self._shadows} if self._shadow_pays else set()
+        # (not on an off probe: it measures rounds without drafts, and a shadow's answer is waited for)
+        shadowing = self._shadow_pays and not self.check.off_probe
+        self.shadowed = {s for s in off if s not in self._shadows} if shadowing else set()
 
     def _shadow_worth(self, num_seqs: int) -> bool:
         """Shadowing's cost in plain-equivalent tokens a round is below what probing loses

@@ -207,6 +207,10 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         self._fold_quiet()
         config = self.config
         committed = sum(o[4] for o in outcomes)
+        shadows = sum(o[0] in self.shadowed for o in outcomes)  # asked as well (`policy_shadow`)
+        shadow_only = shadows and not any(o[1] for o in outcomes)
+        if shadow_only:  # the drafter's answer was waited for: no round without drafts (docs 2c)
+            self.check.planned = None
         worth, plain_s = self._measure(len(outcomes), committed, round_s + draft_wait_s, prefill_tokens)
         off = self.check.off
         # Whether this round (a probe, while speculation is off) measured at least the goodput
@@ -253,10 +257,9 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
                 own = self.seqs[seq_id] = DraftCounts.empty(glob.depth)
             own.add(budget_depth, depth, accepted, config.sequence_decay)
             glob.add(budget_depth, depth, accepted, config.global_decay)
-        shadows = sum(o[0] in self.shadowed for o in outcomes)  # asked as well (`policy_shadow`)
         features = (forward_tokens, asked + shadows, drafted, len(outcomes))
         drafts = (deepest_budget, self._sent, sum(o[1] for o in outcomes))
-        if not prefill_tokens:  # (against what the fits predicted: `GoodputCheck.scale`)
+        if not (prefill_tokens or shadow_only):  # (against the fits' prediction: `GoodputCheck.scale`)
             self._timed(deepest_budget, round_s + draft_wait_s, features, drafts)
         self.verify_cost.add(features, round_s, forward_s, prefill_tokens > 0)
         if deepest_budget > 0:  # with no budget anywhere the engine does not collect at all

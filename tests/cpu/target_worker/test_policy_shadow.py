@@ -52,6 +52,12 @@ def shadowing_policy(shadow_cost_s: float = 1e-5) -> SpeculationPolicy:
         policy.draft_cost.add((1, 0, 1), shadow_cost_s)
     policy.verify_cost.solve()
     policy.draft_cost.solve()
+    for _ in range(200):  # drafts are lost: the solver turns sequences off
+        for kind in (True, False):
+            policy.glob[kind].add(2, 2, 0, policy.config.global_decay)
+    # No off probe or probe comes unless a test asks (neither is shadowed alongside).
+    policy.check._next_off = policy._next_probe = 10**9
+    policy._draft_octaves.update((1, 2))  # (a batch size never drafted at is probed at once)
     return policy
 
 
@@ -238,3 +244,37 @@ def test_shadowed_greedy_decoding_equals_plain_and_verifies_no_draft(runner, tok
     assert [c.token_ids for c in out] == [c.token_ids for c in plain]
     assert policy.stats.shadow_drafts > 0 and policy.stats.shadow_kept > 0
     assert engine.stats.spec.num_drafts == 0 and engine.stats.spec.num_draft_tokens == 0
+
+
+def test_a_round_that_asked_only_shadows_is_no_round_without_drafts_to_the_goodput_check():
+    """A shadow's answer is waited for (a draft model at batch 16 over HTTP: ~10 ms on ~10 ms
+    rounds), so rounds that asked only shadows measure neither the goodput of rounds without
+    drafts nor the timing scale of their forward's size: counted as such, they halved the
+    measured goodput of not drafting and the solver drafted 2/3 of the rounds at 0.83x off."""
+    policy = shadowing_policy()
+    off_for_good(policy)
+    seqs = [SimpleNamespace(seq_id=i, tokens=[5, 6, 7], budget=None) for i in (1, 2)]
+    ids, ceilings = [1, 2], [CEILING, CEILING]
+    for round in range(4):
+        policy.budgets(ids, ceilings, 0, greedy=[True, True])
+        if round == 0:
+            assert policy.shadowed == {1, 2} and policy.check.planned is False
+        trees = policy.shadow_trees(seqs, [chain(s.seq_id, round, 7, [8, 9]) for s in seqs], round)
+        for s in seqs:
+            s.tokens.append(3)
+        result = SimpleNamespace(num_output_tokens=torch.tensor([1, 1]))
+        plan = SimpleNamespace(num_prefill_tokens=0)
+        off_before, timing_before = list(policy.check.off), dict(policy.check._timing)
+        policy.observe_round(seqs, trees, result, plan, 10e-3, 10e-3)
+        if round == 0:  # a shadow round: not measured as a round without drafts, nor timed
+            assert policy.check.off == off_before and policy.check._timing == timing_before
+
+
+def test_an_off_probe_asks_no_shadow():
+    policy = shadowing_policy()
+    policy.budgets([1], [CEILING], 0, greedy=[True])
+    assert policy.shadowed == {1}
+    policy._shadows.clear()
+    policy.check.off_probe = True  # as `GoodputCheck.checked` marks an off probe round
+    policy._shadow([1], [0], [CEILING.max_depth], 1)
+    assert policy.shadowed == set()
