@@ -66,11 +66,11 @@ class GoodputCheck:
         decay = self.config.goodput_decay ** (rounds - kept[3])
         kept[:] = [decay * old + float(new) for old, new in zip(kept[:3], values, strict=True)] + [rounds]
 
-    def scale(self, num_tokens: float, rounds: int) -> float:
+    def scale(self, num_tokens: float, rounds: int, unknown: float = 1.0) -> float:
         """How much longer rounds whose forward carried about this many tokens (the same
-        octave) measured than the cost fits predicted: 1 until `off_min_rounds` of them are
-        measured (decayed by every round since: a size not measured lately falls back to 1),
-        within 0.5 .. 2. The fits are lines through every round they were fed, and a line
+        octave) measured than the cost fits predicted: `unknown` until `off_min_rounds` of them
+        are measured (decayed by every round since: a size not measured lately falls back to
+        it), within 0.5 .. 2. The fits are lines through every round they were fed, and a line
         misses where costs are not: a forward's cost is concave in its tokens on this CPU, and
         over HTTP at concurrency 16 (draft_model co-located, T = 0) the fits priced rounds
         without drafts (16 tokens) ~20% under their time and rounds drafting 2-4 tokens a
@@ -85,10 +85,19 @@ class GoodputCheck:
         fixed K = 4 where the policy without it ran 0.99x."""
         kept = self._timing.get(int(num_tokens).bit_length())
         if kept is None or kept[1] <= 0.0:
-            return 1.0
+            return unknown
         if kept[2] * self.config.goodput_decay ** (rounds - kept[3]) < self.config.off_min_rounds:
-            return 1.0
+            return unknown
         return min(max(kept[0] / kept[1], 0.5), 2.0)
+
+    def scales(self, tokens: dict[int, float], rounds: int) -> dict[int, float]:
+        """`scale` of each option's forward tokens (by deepest budget m; m = 0: no drafts). An
+        option whose size was not measured lately is taken as far off the fits as rounds without
+        drafts: the first rounds of a wave of 16 requests over HTTP, streaming their first tokens,
+        ran ~1.6x the fits without drafts, and against unmeasured drafting sizes at 1 that scale
+        turned drafting on at batch 16 where it ran 0.7x plain (draft_model co-located, T = 0)."""
+        off = self.scale(tokens[0], rounds)
+        return {m: self.scale(n, rounds, off) for m, n in tokens.items()}
 
     def vetoed(self, rounds: int) -> bool:
         """Whether drafting is vetoed this round: drafting rounds measured more than

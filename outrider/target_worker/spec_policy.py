@@ -402,10 +402,9 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         # drafted the full m until the next solve, up to `max_resolve_every` rounds).
         ms = range(len(rows[0][0])) if due else sorted({0, min(self._solved[0], max(ceiling))})
         options = {m: best(m) for m in ms}
-        scale = {  # each option's rate as measured rounds forwarding its tokens correct it, at B > 1
-            m: self.check.scale(prefill_tokens + forwarded(rows, d), self.rounds) if len(rows) > 1 else 1.0
-            for m, (_, d) in options.items()
-        }
+        # Each option's rate as measured rounds forwarding its tokens correct it, at B > 1.
+        tokens = {m: prefill_tokens + forwarded(rows, d) for m, (_, d) in options.items()}
+        scale = self.check.scales(tokens, self.rounds) if len(rows) > 1 else dict.fromkeys(tokens, 1.0)
         pick = max(ms, key=lambda m: options[m][0] / scale[m])  # the first of equals
         self._lam, choice = options[pick]
         if due:
