@@ -208,7 +208,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         config = self.config
         committed = sum(o[4] for o in outcomes)
         shadows = sum(o[0] in self.shadowed for o in outcomes)  # asked as well (`policy_shadow`)
-        shadow_only = shadows and not any(o[1] for o in outcomes)
+        shadow_only = shadows and not deepest_budget  # (budgets' depths count shadows as 0)
         if shadow_only:  # the drafter's answer was waited for: no round without drafts (docs 2c)
             self.check.planned = None
         worth, plain_s = self._measure(len(outcomes), committed, round_s + draft_wait_s, prefill_tokens)
