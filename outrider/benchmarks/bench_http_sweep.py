@@ -8,10 +8,14 @@ One local Ray; `off` (speculation off) is up for the whole run, and for each met
 `disaggregated`: a draft deployment reached over gRPC) every budget's application is up at
 once beside it: `adaptive` (the speculation policy, ceiling max(ks)) and `K<k>` (every
 sequence drafts k tokens every round, vLLM's behaviour). At every temperature and
-concurrency c each application answers n = max(requests, halves * c) streamed
+concurrency c each application answers n = max(requests, halves * per_client * c) streamed
 `/v1/completions` (c client threads; held-out `mid` prompts as token ids, seeded at T = 1)
 in `halves` blocks, in rotation, the order mirrored every other round (off A B C C B A off
-off A ...). On this 2-core machine throughput drifts by several percent within a minute (the
+off A ...). Each client sends at least `per_client` requests a block, the next as soon as its
+last is answered, as vLLM's benchmark keeps c in flight: with one each (c = 16, 16 a block) a
+block was one wave whose last rounds ran below c (answers that speculation sped up left the
+batch early while off's all ended in the same round; ngram, K = 8, batch 16 in one process:
+25 of a wave's 35 rounds ran below 16), a wave's ramp-down rather than concurrency c. On this 2-core machine throughput drifts by several percent within a minute (the
 proxy, ingress and load generator share a core), so every budget is measured inside the
 same stretch of time as off and as the others; a speedup is a configuration's output token
 throughput (over all its blocks) over off's in the same rotation. The target replica being
@@ -141,8 +145,9 @@ def measure_level(apps: list[tuple[str, str]], args: argparse.Namespace, flip: b
                   prompts: list[tuple[int, ...]], concurrency: int, temperature: float, pin: bool,
                   ignore_eos: bool) -> tuple[int, dict[str, dict]]:  # fmt: skip
     """One level of `apps` (in reverse order if `flip`) in `args.halves` rotated blocks of at
-    least `args.requests` requests in all (and `args.halves` x c): (requests, their figures)."""
-    n = max(args.requests, args.halves * concurrency) // args.halves * args.halves
+    least `args.requests` requests in all (and `args.per_client` a client a block): (requests,
+    their figures)."""
+    n = max(args.requests, args.halves * args.per_client * concurrency) // args.halves * args.halves
     measured = rotated_levels(
         apps[::-1] if flip else apps,
         args.halves,
@@ -321,15 +326,22 @@ def level_parser(doc: str) -> argparse.ArgumentParser:
         "--requests",
         type=int,
         default=64,
-        help="requests per application and level, at least halves x c (default 64: at 16, a level at "
-        "c = 4 measured each application for ~1 s, in blocks of a quarter second)",
+        help="requests per application and level, at least halves x per-client x c (default 64: at "
+        "16, a level at c = 4 measured each application for ~1 s, in blocks of half a second)",
     )
     parser.add_argument(
         "--halves",
         type=int,
-        default=4,
+        default=2,
         help="blocks each application's requests run in, in rotation, mirrored every other round "
-        "(A B C C B A ...); 1: one block each",
+        "(A B C C B A ...); 1: one block each (default: 2)",
+    )
+    parser.add_argument(
+        "--per-client",
+        type=int,
+        default=2,
+        help="requests each client sends at least per block (default 2: with 1, a block at c = 16 "
+        "or 64 is one wave, most of whose rounds run below c as its answers finish apart)",
     )
     parser.add_argument("--prompts", type=int, default=32, help="distinct held-out prompts")
     return parser
@@ -357,8 +369,8 @@ def main(argv: list[str] | None = None) -> None:
         "on the last core, alone, and everything else on the others: see bench_serving.pin_target_replicas)",
     )
     args = parser.parse_args(argv)
-    if args.halves < 1:
-        parser.error("--halves must be at least 1")
+    if args.halves < 1 or args.per_client < 1:
+        parser.error("--halves and --per-client must be at least 1")
     for placement in args.placements:
         if placement not in PLACEMENTS:
             parser.error(f"unknown placement {placement!r}; use {', '.join(PLACEMENTS)}")

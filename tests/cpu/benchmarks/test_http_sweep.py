@@ -86,3 +86,23 @@ def test_the_metrics_page_gives_the_policys_budgets_per_level(monkeypatch):
     record = RequestRecord(0.0, 1.0, True, "stream", True, tokens=8, ttft_s=0.1, itl_s=[0.01])
     figures = sweep.level_figures([([record], 1.0, before, after)])
     assert figures["mean_budget_depth"] == 4 / 8 and figures["budget_off_share"] == 6 / 8
+
+
+def test_every_client_sends_per_client_requests_a_block_so_a_level_is_not_one_wave(monkeypatch):
+    import argparse
+
+    from outrider.benchmarks import bench_http_sweep as sweep
+
+    sizes = []
+    monkeypatch.setattr(
+        sweep, "rotated_levels", lambda apps, halves, **level: sizes.append(level["requests"])
+    )
+    args = argparse.Namespace(requests=64, halves=2, per_client=2, max_tokens=8)
+    for concurrency in (1, 4, 16, 64):
+        sweep.measure_level([], args, False, "m", [], concurrency, 0.0, False, True)
+    # 64 at most c = 16 (32 a block: 2 for each of 16 clients); 2 x 2 x 64 at c = 64
+    assert sizes == [64, 64, 64, 256]
+    args.per_client = 1
+    sweep.measure_level([], args, False, "m", [], 64, 0.0, False, True)
+    assert sizes[-1] == 128  # one wave a block
+    assert sweep.level_parser("x").parse_args([]).per_client == 2
