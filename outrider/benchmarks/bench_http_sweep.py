@@ -15,13 +15,17 @@ off A ...). Each client sends at least `per_client` requests a block, the next a
 last is answered, as vLLM's benchmark keeps c in flight: with one each (c = 16, 16 a block) a
 block was one wave whose last rounds ran below c (answers that speculation sped up left the
 batch early while off's all ended in the same round; ngram, K = 8, batch 16 in one process:
-25 of a wave's 35 rounds ran below 16), a wave's ramp-down rather than concurrency c. On this 2-core machine throughput drifts by several percent within a minute (the
-proxy, ingress and load generator share a core), so every budget is measured inside the
-same stretch of time as off and as the others; a speedup is a configuration's output token
-throughput (over all its blocks) over off's in the same rotation. The target replica being
+25 of a wave's 35 rounds ran below 16), a wave's ramp-down rather than concurrency c. On
+this 2-core machine throughput drifts by several percent within a minute (the proxy, ingress
+and load generator share a core), so every budget is measured inside the same stretch of
+time as off and as the others; a speedup is a configuration's output token throughput (over
+all its blocks) over off's in the same rotation. A second speculation-off application
+(`off-b`, the A/A control; `--no-control` leaves it out) is measured in the rotation as a
+configuration: its ratio to off (`control_vs_off`, beside every point) is what a ratio reads
+there where nothing differs (a policy that kept speculation off at 99% of its
+sequence-rounds read 0.95-1.20x off in one co-located sweep). The target replica being
 measured runs on the last core, alone, and everything else on the others (`--no-pin` to let
-them move):
-unpinned, one application drifted by up to 10% from one deployment to the next. Each
+them move): unpinned, one application drifted by up to 10% from one deployment to the next. Each
 application first answers 16 unmeasured requests, 8 at T = 0 and 8 at T = 1 (lazy
 initialisation, and the policy's cold start: a long-running server has had them).
 
@@ -45,6 +49,7 @@ from outrider.benchmarks.report import add_run_arguments, write_run_report
 
 PLACEMENTS = ("colocated", "disaggregated")
 OFF = "off"
+CONTROL = "off-b"  # a second speculation-off application: the A/A control (`--control`)
 
 
 def speculative_config(method: str, budget: str, ks: list[int]) -> dict:
@@ -234,9 +239,10 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         off = deploy(OFF, None, "")
+        control = [(CONTROL, deploy(CONTROL, None, ""))] if args.control else []
         for index, (method, placement) in enumerate((m, p) for m in args.methods for p in args.placements):
             started = time.perf_counter()
-            apps = [(OFF, off)]
+            apps = [(OFF, off), *control]
             for budget in budgets:
                 label = f"{method}-{placement}-{budget}"
                 apps.append((budget, deploy(label, speculative_config(method, budget, args.ks), placement)))
@@ -257,6 +263,14 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
                 common = {"temperature": temperature, "concurrency": concurrency, "requests": n}
                 rows.append({"method": OFF, "placement": "—", "budget": "—", **common, **measured[OFF]})
                 base_tok_s = measured[OFF]["output_tok_s"]
+                # The same speculation-off server measured as a configuration: what a ratio to
+                # off reads where nothing differs (the point's noise), beside every row of it.
+                aa = {"control_vs_off": measured[CONTROL]["output_tok_s"] / base_tok_s} if control else {}
+                if control:
+                    rows.append(
+                        {"method": CONTROL, "placement": "—", "budget": "—", **common, **measured[CONTROL]}
+                        | {"speedup_vs_off": aa["control_vs_off"]}
+                    )
                 for budget in budgets:
                     rows.append(
                         {
@@ -266,11 +280,13 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
                             **common,
                             **measured[budget],
                             "speedup_vs_off": measured[budget]["output_tok_s"] / base_tok_s,
+                            **aa,
                         }
                     )
                 log(
                     f"    T={temperature:g} c={concurrency}: off {base_tok_s:.0f} tok/s; "
                     + ", ".join(f"{b} {measured[b]['output_tok_s'] / base_tok_s:.2f}x" for b in budgets)
+                    + (f"; {CONTROL} (A/A) {aa['control_vs_off']:.2f}x" if control else "")
                 )
             for budget in budgets:
                 serve.delete(f"{method}-{placement}-{budget}")
@@ -284,13 +300,16 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
 def summary(rows: list[dict]) -> list[dict]:
     """Per (method, placement, temperature, concurrency): adaptive, the best fixed K, and off."""
     cells: dict[tuple, dict] = {}
+    controls: dict[tuple, float | None] = {}
     for row in rows:
-        if row["method"] == OFF:
+        if row["method"] in (OFF, CONTROL):
             continue
         key = (row["method"], row["placement"], row["temperature"], row["concurrency"])
         cells.setdefault(key, {})[row["budget"]] = row["speedup_vs_off"]
+        controls[key] = row.get("control_vs_off")
     out = []
-    for (method, placement, temperature, concurrency), by_budget in cells.items():
+    for key, by_budget in cells.items():
+        method, placement, temperature, concurrency = key
         fixed = {b: s for b, s in by_budget.items() if b != "adaptive"}
         best = max(fixed, key=fixed.get) if fixed else None
         adaptive = by_budget.get("adaptive")
@@ -304,6 +323,7 @@ def summary(rows: list[dict]) -> list[dict]:
                 "best_fixed": best,
                 "best_fixed_vs_off": fixed.get(best),
                 "adaptive_vs_best_fixed": adaptive / fixed[best] if adaptive and best else None,
+                "control_vs_off": controls[key],
             }
         )
     return out
@@ -360,6 +380,14 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="every answer runs to --max-tokens (as vLLM's benchmark): at T = 1 answers that stop "
         "at EOS at different lengths in the two applications weigh each request's TTFT differently",
+    )
+    parser.add_argument(
+        "--no-control",
+        dest="control",
+        action="store_false",
+        help=f"leave out the A/A control: by default a second speculation-off application ({CONTROL}) "
+        "is measured in every rotation like a configuration, and each point reports its ratio to off "
+        "(`control_vs_off`): what that point's ratios read where nothing differs",
     )
     parser.add_argument(
         "--no-pin",

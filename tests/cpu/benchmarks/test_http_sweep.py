@@ -29,6 +29,13 @@ def test_the_summary_puts_adaptive_beside_the_best_fixed_k_at_each_point():
     assert by_level[1]["best_fixed"] == "K4" and by_level[1]["best_fixed_vs_off"] == 1.6
     assert abs(by_level[1]["adaptive_vs_best_fixed"] - 1.5 / 1.6) < 1e-9
     assert by_level[4]["adaptive_vs_off"] is None and by_level[4]["adaptive_vs_best_fixed"] is None
+    assert by_level[1]["control_vs_off"] is None  # measured without the A/A control
+    # With it, each point carries its own: the same speculation-off server's ratio to off
+    controlled = [{**r, "control_vs_off": 0.97 if r["concurrency"] == 1 else 1.04} for r in rows[1:]]
+    control = {**off, "method": "off-b", "speedup_vs_off": 0.97}  # its own row in the detail
+    by_level = {r["concurrency"]: r for r in summary([off, control, *controlled])}
+    assert by_level[1]["control_vs_off"] == 0.97 and by_level[4]["control_vs_off"] == 1.04
+    assert by_level[1]["best_fixed"] == "K4"  # the control is no fixed K
 
 
 def test_rotated_levels_mirror_the_order_and_merge_each_applications_blocks(monkeypatch):
@@ -106,3 +113,14 @@ def test_every_client_sends_per_client_requests_a_block_so_a_level_is_not_one_wa
     sweep.measure_level([], args, False, "m", [], 64, 0.0, False, True)
     assert sizes[-1] == 128  # one wave a block
     assert sweep.level_parser("x").parse_args([]).per_client == 2
+
+
+def test_the_control_is_on_by_default_and_off_with_no_control(monkeypatch):
+    from outrider.benchmarks import bench_http_sweep as sweep
+
+    seen = []
+    monkeypatch.setattr(sweep, "sweep", lambda args: seen.append(args.control) or [])
+    monkeypatch.setattr(sweep, "write_run_report", lambda *a, **k: None)
+    sweep.main(["--size", "tiny"])
+    sweep.main(["--size", "tiny", "--no-control"])
+    assert seen == [True, False]
