@@ -267,10 +267,8 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
                 # off reads where nothing differs (the point's noise), beside every row of it.
                 aa = {"control_vs_off": measured[CONTROL]["output_tok_s"] / base_tok_s} if control else {}
                 if control:
-                    rows.append(
-                        {"method": CONTROL, "placement": "—", "budget": "—", **common, **measured[CONTROL]}
-                        | {"speedup_vs_off": aa["control_vs_off"]}
-                    )
+                    control_row = {"method": CONTROL, "placement": "—", "budget": "—", **common}
+                    rows.append({**control_row, **measured[CONTROL], "speedup_vs_off": aa["control_vs_off"]})
                 for budget in budgets:
                     rows.append(
                         {
