@@ -49,7 +49,7 @@ from outrider.benchmarks.report import add_run_arguments, write_run_report
 
 PLACEMENTS = ("colocated", "disaggregated")
 OFF = "off"
-CONTROL = "off-b"  # a second speculation-off application: the A/A control (`--control`)
+CONTROL = "off-b"  # a second speculation-off application: the A/A control (`--no-control`: none)
 
 
 def speculative_config(method: str, budget: str, ks: list[int]) -> dict:
@@ -265,8 +265,9 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
                 base_tok_s = measured[OFF]["output_tok_s"]
                 # The same speculation-off server measured as a configuration: what a ratio to
                 # off reads where nothing differs (the point's noise), beside every row of it.
-                aa = {"control_vs_off": measured[CONTROL]["output_tok_s"] / base_tok_s} if control else {}
+                aa = {}
                 if control:
+                    aa["control_vs_off"] = measured[CONTROL]["output_tok_s"] / base_tok_s
                     control_row = {"method": CONTROL, "placement": "—", "budget": "—", **common}
                     rows.append({**control_row, **measured[CONTROL], "speedup_vs_off": aa["control_vs_off"]})
                 for budget in budgets:

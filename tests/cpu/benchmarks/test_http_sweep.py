@@ -33,7 +33,9 @@ def test_the_summary_puts_adaptive_beside_the_best_fixed_k_at_each_point():
     # With it, each point carries its own: the same speculation-off server's ratio to off
     controlled = [{**r, "control_vs_off": 0.97 if r["concurrency"] == 1 else 1.04} for r in rows[1:]]
     control = {**off, "method": "off-b", "speedup_vs_off": 0.97}  # its own row in the detail
-    by_level = {r["concurrency"]: r for r in summary([off, control, *controlled])}
+    summarised = summary([off, control, *controlled])
+    assert [r["method"] for r in summarised] == ["ngram", "ngram"]  # the control is no point of its own
+    by_level = {r["concurrency"]: r for r in summarised}
     assert by_level[1]["control_vs_off"] == 0.97 and by_level[4]["control_vs_off"] == 1.04
     assert by_level[1]["best_fixed"] == "K4"  # the control is no fixed K
 
