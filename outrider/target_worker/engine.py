@@ -49,13 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from outrider.kernels import SpecDecodeCounters, verify
-from outrider.proto import (
-    DEFAULT_TREE_BUDGET,
-    CandidateTree,
-    FeatureSpec,
-    SequenceUpdate,
-    TreeBudget,
-)
+from outrider.proto import DEFAULT_TREE_BUDGET, CandidateTree, FeatureSpec, SequenceUpdate, TreeBudget
 from outrider.target_worker.block_manager import BlockManager
 from outrider.target_worker.draft_source import DraftSource
 from outrider.target_worker.draft_trust import PROCESS_SEED_KEY, DraftTrust, derive_seed
@@ -173,6 +167,7 @@ class Engine:
         self._next_id = 0
         self.seed_key = seed_key
         self._submit_s = 0.0  # the last step's `_submit_deltas` time, charged to the next round
+        self._missing = 0  # asked trees not in by the last collect's deadline (`_checked_trees`)
         if prefix_caching and self.capture is not None:
             log.info("prefix caching is off: the drafter needs the target's features of every prompt token")
         self.blocks = BlockManager(
@@ -311,7 +306,9 @@ class Engine:
             # ones this round's drafting answered), which are sent after the policy learns.
             if self.policy is not None:
                 round_s = time.perf_counter() - collected + self._submit_s
-                self.policy.observe_round(ready, trees, res, plan, collected - started, round_s, forward_s)
+                self.policy.observe_round(
+                    ready, trees, res, plan, collected - started, round_s, forward_s, self._missing
+                )
         fill_prompts(plan, features)
         self.kv.settle(plan.verified, plan.filled)
         # 5. Deltas (under the policy's budgets) for the next round's trees, and `finished`.
@@ -379,6 +376,7 @@ class Engine:
         """The tree each sequence verifies: the drafter's if it is sound, else root-only."""
         validated = self.drafts is not None and self.drafts.validates_trees  # checked on arrival
         trees, good, invalid, missing = checked_trees(ready, received, validated, self.vocab_size, self.round)
+        self._missing = missing
         self.stats.num_trees += good
         self.stats.num_invalid_trees += invalid
         self.stats.num_missing_trees += missing

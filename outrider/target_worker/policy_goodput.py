@@ -1,7 +1,7 @@
 """The speculation policy's model checked against measurement (`spec_policy`, docs/algorithms.md
 section 2c): committed tokens per plain-equivalent token of the rounds the solver drafted in
 and of rounds nobody drafted, off probes that keep the second current, and a veto on drafting
-while it measures less."""
+while it measures less, or while the drafter misses the round's deadline (`late`)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ class GoodputCheck:
         # N.bit_length() (N: the forward's tokens) -> decayed [seconds measured, seconds the
         # cost fits predicted, rounds, the round of the last] of decode rounds (`scale`).
         self._timing: dict[int, list[float]] = {}
+        # A.bit_length() (A: sequences asked to draft) -> [the round drafting at that many or
+        # more is vetoed until, the next such veto's length] (`late`).
+        self._late: dict[int, list[int]] = {}
 
     @property
     def off(self) -> list[float]:
@@ -99,11 +102,42 @@ class GoodputCheck:
         off = self.scale(tokens[0], rounds)
         return {m: self.scale(n, rounds, off) for m, n in tokens.items()}
 
-    def vetoed(self, rounds: int) -> bool:
-        """Whether drafting is vetoed this round: drafting rounds measured more than
+    def late(self, asked: int, missed: bool, rounds: int) -> None:
+        """A round asked `asked` sequences for drafts, and the drafter missed the round's
+        deadline for every one (`missed`), or answered some in time. A remote drafter whose work
+        grows with the batch (a draft model catching up on new prompts, then drafting every
+        row) can miss it at every round from some batch size on: each such round waits the
+        whole deadline and verifies root-only trees, the worst a round can do. Over HTTP at
+        concurrency 16 (draft_model disaggregated, T = 0) every round of fixed K = 8 missed the
+        50 ms deadline (0.39x off), and the adaptive policy, still drafting from the last solve
+        as a wave of 16 requests arrived, waited it out 5 rounds in a row before its estimates
+        and goodput check turned speculation off, then probed at that size every ~50-100
+        rounds, each probe missing it too (0.80x off).
+
+        So drafting for that many sequences or more is vetoed at once, `probe_every` rounds,
+        doubling while each retry misses again (up to `max_probe_every`); trees answered in
+        time for as many (a retry, or a probe) lift the veto at that size and below."""
+        octave = asked.bit_length()
+        marks = [o for o in self._late if o <= octave]
+        if not missed:
+            for o in marks:
+                del self._late[o]
+            return
+        interval = max((self._late[o][1] for o in marks), default=self.config.probe_every)
+        self._late[octave] = [rounds + interval, min(2 * interval, self.config.max_probe_every)]
+
+    def vetoed_until(self, num_seqs: int) -> int:
+        """The round drafting for `num_seqs` sequences is vetoed until (measured goodput, or a
+        drafter missing its deadline at that many: `late`)."""
+        octave = num_seqs.bit_length()
+        return max([self.veto_until] + [until for o, (until, _) in self._late.items() if o <= octave])
+
+    def vetoed(self, rounds: int, num_seqs: int = 1) -> bool:
+        """Whether drafting for `num_seqs` sequences is vetoed this round: the drafter missed
+        its deadline at that many (`late`), or drafting rounds measured more than
         `goodput_margin` fewer committed tokens per plain-equivalent token than rounds
         without drafts. Called once a round."""
-        if rounds < self.veto_until:
+        if rounds < self.veto_until or (self._late and rounds < self.vetoed_until(num_seqs)):
             return True
         on, off = self.kinds[True], self.kinds[False]
         if not self.measured():

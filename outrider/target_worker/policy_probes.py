@@ -229,12 +229,16 @@ class Probing:
             if at < self._next_probe:
                 self._next_probe, self._calm_until = at, min(self._calm_until, at)
 
-    def _note_probes(self, outcomes: Seq[Outcome], committed: int, worth: float, prefill_tokens: int) -> None:
+    def _note_probes(
+        self, outcomes: Seq[Outcome], committed: int, worth: float, prefill_tokens: int, late: bool = False
+    ) -> None:
         """A probe round while off (`committed` tokens, `worth` plain-equivalent ones):
         `_note_probe` for each sampling class it asked, once rounds without drafts are measured.
 
         A probe whose drafter had nothing for anyone (a lookup that matched nothing: every tree
-        root-only) says nothing of what drafts are worth, and is not noted. Noted, its upside
+        root-only) says nothing of what drafts are worth, and is not noted. One whose drafter
+        missed the round's deadline for all of them (`late`) is a lost probe: it cost the
+        deadline and found nothing, and is spaced by what it cost (`_probed`), not as empty. Noted, its upside
         (nothing drafted) read as drafts not paying, and probes were spaced by cost alone:
         in-process ngram at batch 1, T = 0, the first requests' probes found no match (prose),
         the next probe was set ~500 rounds on, and the policy stayed off through the loops of
@@ -253,7 +257,7 @@ class Probing:
         (4.9% with empty probes every 16-64 rounds) and caught loops late."""
         config, off = self.config, self.check.off
         tried = sum(o[2] for o in outcomes)
-        if not tried:
+        if not (tried or late):
             # No closer than keeps empty probes within `empty_probe_share` of the time by what
             # they measured to cost (their drafter's round trip included), in rounds.
             per_round = off[1] / off[2] if off[2] > 0 and off[1] > 0 else float(len(outcomes))
@@ -267,7 +271,7 @@ class Probing:
             self._next_probe = min(self._next_probe, self.rounds + gap)
             self._empty_gap = min(2 * self._empty_gap, 4 * config.probe_every)
             return
-        kept = sum(o[3] for o in outcomes) / tried
+        kept = sum(o[3] for o in outcomes) / tried if tried else 0.0
         if kept > 0.0:  # (a probe whose drafts were all lost leaves the empty ones' spacing)
             self._empty_gap = config.probe_every
         if off[2] < config.off_min_rounds or off[1] <= 0 or prefill_tokens:

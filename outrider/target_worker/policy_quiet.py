@@ -4,7 +4,8 @@ measures the round (docs/algorithms.md section 2c).
 
 A mixin of `SpeculationPolicy`, whose state it reads and sets: the schedule of solves and
 probes (`_next_probe`, `_next_solve`, `_calm_until`), the goodput check, the cost fits. It
-measures the rounds that are not quiet as well (`_measure`, `_timed`).
+measures the rounds that are not quiet as well (`_measure`, `_timed`), and asks the goodput
+check's veto once a round for both (`_vetoed`, `_checked`).
 
 Inside a calm stretch (quiet until `_calm_until`) a round costs the policy a comparison in
 `quiet` and an append in `observe_quiet`: its measurements are logged and folded into the
@@ -47,13 +48,13 @@ class Quiet:
         if self._quiet and num_seqs and calm:
             stats.depth_counts[0] += num_seqs
             stats.rounds_off += 1
-            stats.vetoed_rounds += self.rounds < self.check.veto_until
+            stats.vetoed_rounds += self.rounds < self.check.vetoed_until(num_seqs)
             return True
         self._fold_quiet()
         self._quiet = False
         if not (self.config.adaptive and num_seqs) or (self._shadow_pays and True in self._kinds):
             return False  # (shadow drafts to ask for: `policy_shadow`)
-        vetoed = self._vetoed(keep=True)
+        vetoed = self._vetoed(num_seqs, keep=True)
         calm = (
             self._off(vetoed)
             and self.rounds < self._next_probe
@@ -62,13 +63,32 @@ class Quiet:
         )
         if calm:  # off until the next probe or solve, or, if only vetoed, the veto's end
             until = min(self._next_probe, self._next_solve)
-            self._calm_until = until if self._all_off() else min(until, self.check.veto_until)
+            self._calm_until = until if self._all_off() else min(until, self.check.vetoed_until(num_seqs))
             self._quiet = True
             self.check.planned, self.check.off_probe = False, False
             stats.depth_counts[0] += num_seqs
             stats.rounds_off += 1
             stats.vetoed_rounds += vetoed
         return calm
+
+    def _vetoed(self, num_seqs: int, keep: bool = False) -> bool:
+        """The goodput check's veto this round for `num_seqs` sequences; asked by `quiet` (`keep`), then by
+        `budgets`, which takes that answer (nothing it reads moves between them) instead of asking again."""
+        asked, self._veto_asked = self._veto_asked, (-1, False)
+        if asked[0] == self.rounds:
+            vetoed = asked[1]
+        else:
+            adaptive = self.config.adaptive and not self._warming_up()
+            vetoed = adaptive and self.check.vetoed(self.rounds, num_seqs)
+        if keep:
+            self._veto_asked = (self.rounds, vetoed)
+        return vetoed
+
+    def _checked(self, depths: list[int], vetoed: bool) -> list[int]:
+        if not self.config.adaptive or self._warming_up():
+            self.check.planned, self.check.off_probe = None, False
+            return depths
+        return self.check.checked(depths, vetoed, self.rounds)
 
     def observe_quiet(
         self, num_seqs: int, prefill_tokens: int, round_s: float, forward_s: float | None = None

@@ -154,7 +154,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             # The last solve saw only sequences near their end, capped by the tokens they had
             # left: not this batch's answer (it held each next request off; docs 2c).
             self._next_solve = min(self._next_solve, self.rounds)
-        vetoed = self._vetoed()
+        vetoed = self._vetoed(len(seq_ids))
         if not self.config.adaptive:  # fixed K: nothing to decide, nor to predict
             depths, predicted = ceiling, [None] * len(seq_ids)
         elif self._off(vetoed):  # speculation does not pay: no solve
@@ -200,10 +200,12 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         prefill_tokens: int = 0,
         draft_nodes: Seq[int] | None = None,
         forward_s: float | None = None,
+        missing: int = 0,
     ) -> None:
         """One round's evidence: each verified sequence's draft outcome, and what it cost;
         `draft_nodes`, each tree's nodes below the root (None: chains, as deep as many);
-        `forward_s`, the part of `round_s` the forward and verification took (`RoundCost`)."""
+        `forward_s`, the part of `round_s` the forward and verification took (`RoundCost`);
+        `missing`, the trees asked for that did not come by the round's deadline."""
         self._fold_quiet()
         config = self.config
         committed = sum(o[4] for o in outcomes)
@@ -218,8 +220,9 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         # catching up on every token since the last probe: the pause's cost, not drafting's.
         worth -= self.draft_cost.coefficients()[2] * self._sent * len(outcomes) / (plain_s or 1.0)
         probe_paid = off[2] < config.off_min_rounds or committed * off[1] >= off[0] * max(worth, 0.0)
+        late = 0 < missing >= sum(o[1] > 0 for o in outcomes) + shadows  # every tree asked for missed
         if self._solved is not None and self._solved[0] == 0 and any(o[1] for o in outcomes):
-            self._note_probes(outcomes, committed, worth, prefill_tokens)  # a probe while off
+            self._note_probes(outcomes, committed, worth, prefill_tokens, late)  # a probe while off
         asked = drafted = 0
         self._tree_nodes *= config.global_decay
         self._tree_depths *= config.global_decay
@@ -257,6 +260,8 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
                 own = self.seqs[seq_id] = DraftCounts.empty(glob.depth)
             own.add(budget_depth, depth, accepted, config.sequence_decay)
             glob.add(budget_depth, depth, accepted, config.global_decay)
+        if asked + shadows:
+            self.check.late(asked + shadows, late, self.rounds)
         features = (forward_tokens, asked + shadows, drafted, len(outcomes))
         drafts = (deepest_budget, self._sent, sum(o[1] for o in outcomes))
         if not (prefill_tokens or shadow_only):  # (against the fits' prediction: `GoodputCheck.scale`)
@@ -282,6 +287,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         draft_wait_s: float,
         round_s: float,
         forward_s: float | None = None,
+        missing: int = 0,
     ) -> None:
         """`observe`, from the engine's round: what each sequence's draft earned, what it cost."""
         if self._quiet:  # nobody was asked to draft (`quiet`); shadows asked before still settle
@@ -299,8 +305,9 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         ]
         tokens = sum(nodes) + len(nodes) + plan.num_prefill_tokens  # the forward's (Python ints)
         deepest = max(budgets, default=0)
+        prefill = plan.num_prefill_tokens
         self.observe(
-            outcomes, tokens, round_s, deepest, draft_wait_s, plan.num_prefill_tokens, nodes, forward_s
+            outcomes, tokens, round_s, deepest, draft_wait_s, prefill, nodes, forward_s, missing=missing
         )
 
     def forget(self, seq_id: int, tokens: int | None = None, greedy: bool = True) -> None:
@@ -428,21 +435,3 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             self._solved, self._next_solve = (pick, self._lam), self.rounds + self._solve_interval
             self._solved_cap = max(ceiling, default=0)
         return choice
-
-    def _vetoed(self, keep: bool = False) -> bool:
-        """The goodput check's veto this round; asked by `quiet` (`keep`), then by `budgets`,
-        which takes that answer (nothing it reads moves between them) instead of asking again."""
-        asked, self._veto_asked = self._veto_asked, (-1, False)
-        if asked[0] == self.rounds:
-            vetoed = asked[1]
-        else:
-            vetoed = self.config.adaptive and not self._warming_up() and self.check.vetoed(self.rounds)
-        if keep:
-            self._veto_asked = (self.rounds, vetoed)
-        return vetoed
-
-    def _checked(self, depths: list[int], vetoed: bool) -> list[int]:
-        if not self.config.adaptive or self._warming_up():
-            self.check.planned, self.check.off_probe = None, False
-            return depths
-        return self.check.checked(depths, vetoed, self.rounds)

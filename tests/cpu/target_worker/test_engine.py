@@ -227,6 +227,37 @@ def test_by_default_the_engine_measures_one_lane_against_two(runner, prompts, pl
     assert not engine.blocks.tables and engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+class LateSource(OverlappingSource):
+    """A drafter late for every round: `collect` returns no tree by its deadline."""
+
+    def collect(self, seq_ids, timeout_s=None):
+        super().collect(seq_ids, timeout_s)
+        return {}
+
+
+def test_the_policy_learns_which_asked_trees_missed_the_deadline(runner, prompts, plain, tiny_family):
+    """Each round tells the adaptive policy how many of the trees it asked for did not come by
+    the deadline (all of them here), so it can tell a drafter that is late from one that had
+    nothing to draft; the output is plain greedy."""
+    source = LateSource(proposer_for("ngram", runner.model.vocab_size, tiny_family))
+    engine = Engine(
+        runner, source, eos_token_id=None, max_batch=4, max_prefill_tokens=24, budget_policy="adaptive"
+    )
+    seen, observe = [], engine.policy.observe
+
+    def spy(outcomes, *args, missing=0, **kwargs):
+        asked = sum(o[1] > 0 for o in outcomes) + sum(o[0] in engine.policy.shadowed for o in outcomes)
+        seen.append((asked, missing))
+        observe(outcomes, *args, missing=missing, **kwargs)
+
+    engine.policy.observe = spy
+    out = engine.generate(prompts, RequestParams(max_tokens=MAX_TOKENS))
+    assert [c.token_ids for c in out] == plain
+    assert any(asked for asked, _ in seen)
+    assert all(missing == asked for asked, missing in seen)
+    assert engine.stats.num_missing_trees == sum(missing for _, missing in seen) > 0
+
+
 def test_with_no_sequence_drafting_one_forward_verifies_the_whole_batch(runner, prompts, plain, tiny_family):
     """Two lanes hide a remote drafter's time; where the policy asked no sequence to draft
     (speculation off) there is nothing to hide, and two half-batch forwards would only cost

@@ -37,3 +37,23 @@ def test_rounds_timed_at_once_leave_what_one_by_one_would():
     assert one._timing.keys() == many._timing.keys() == {1, 2, 5}
     for key, values in at(one, 40).items():
         assert at(many, 40)[key] == pytest.approx(values)
+
+
+def test_a_drafter_late_for_every_tree_vetoes_drafting_at_that_many_and_more():
+    """Every tree of a round asked of 16 sequences missed the deadline: drafting for 16 (the
+    same octave, 16-31) or more is vetoed `probe_every` rounds, for fewer it is not; a retry
+    that misses again is vetoed twice as long; trees in time for as many lift the veto."""
+    config = PolicyConfig(probe_every=8)
+    check = GoodputCheck(config, PolicyStats())
+    check.late(16, True, 100)
+    assert check.vetoed(100, 16) and check.vetoed(107, 31) and check.vetoed(107, 64)
+    assert not check.vetoed(100, 8) and not check.vetoed(100, 1)
+    assert not check.vetoed(108, 16)  # the retry
+    check.late(16, True, 108)
+    assert check.vetoed(123, 16) and not check.vetoed(124, 16)
+    check.late(4, True, 124)  # late for fewer: vetoed there, and so at 16 as long
+    assert check.vetoed_until(4) == check.vetoed_until(16) == 124 + 8
+    check.late(16, False, 130)  # trees in time for 16: neither size is vetoed any more
+    assert not check.vetoed(130, 16) and not check.vetoed(130, 4)
+    check.late(16, True, 140)  # and the next miss starts afresh
+    assert check.vetoed_until(16) == 148

@@ -937,3 +937,46 @@ def test_a_batched_drafters_cost_grows_with_the_draft_tokens_asked():
     rows = [([1.0, 1.9, 2.7], [1.0, 2.0, 3.0], [0.0, 1.0, 1.0])]
     (seconds,) = sequence_seconds(rows, 1e-4, 0.0, 0.0, 0.0, h)
     assert abs(seconds[2] - seconds[1] - (1e-4 + h)) < 1e-12
+
+
+def test_a_round_whose_trees_all_missed_the_deadline_turns_drafting_off_at_once():
+    """A remote drafter late for every tree (a wave of new prompts to catch up on, then every
+    row to draft): the next rounds at that batch size do not draft, however much the solver
+    likes the drafts, until `probe_every` rounds on; a round answered in time changes nothing."""
+    policy = SpeculationPolicy(CEILING, PolicyConfig(probe_every=8))
+    ids = list(range(16))
+    assert min(simulate(policy, dict.fromkeys(ids, 0.9), rounds=60).values()) >= 5
+
+    def late_round(missing: int) -> list[int]:
+        depths = [b.max_depth for b in policy.budgets(ids, [CEILING] * 16, 0)]
+        outcomes = [(s, k, 0 if missing else k, 0 if missing else k, 1 if missing else k + 1)
+                    for s, k in zip(ids, depths, strict=True)]  # fmt: skip
+        policy.observe(outcomes, 16, 2e-3, max(depths), 5e-2 if missing else 1e-3, missing=missing)
+        return depths
+
+    assert min(late_round(0)) >= 5 and min(late_round(0)) >= 5  # answered in time: as before
+    # As after a veto's retry: the goodput check needs `goodput_min_rounds` drafting rounds
+    # before it can veto again, and does not hold drafting back meanwhile.
+    policy.check.kinds[True] = [0.0, 0.0, 0.0]
+    assert min(late_round(16)) >= 5  # every tree late
+    after = [late_round(0) for _ in range(8)]  # (no tree asked for: none can be late)
+    assert not any(map(any, after[:7]))  # (a shared depth-1 probe aside: none due here)
+    assert min(late_round(0)) >= 5  # the retry, answered in time: drafting again
+    # At a smaller batch the veto does not hold.
+    policy.check.late(16, True, policy.rounds)
+    assert any(b.max_depth for b in policy.budgets([0, 1], [CEILING] * 2, 0))
+
+
+def test_a_probe_late_for_every_tree_is_a_lost_probe_not_an_empty_one():
+    """Off, a probe whose trees all missed the deadline cost the deadline and found nothing:
+    not spaced as probes the drafter had nothing for (`_empty_gap`, `_empty_extra`)."""
+    policy = SpeculationPolicy(CEILING)
+    simulate(policy, {0: 0.05, 1: 0.05}, rounds=60, verify=(1e-3, 1e-3, 1e-4), draft=(5e-4, 1e-3))
+    assert policy._solved[0] == 0
+    before = (policy._empty_extra, policy._empty_gap, policy._finds[True].probes)
+    outcomes = [(0, 2, 0, 0, 1), (1, 2, 0, 0, 1)]
+    policy.observe(outcomes, 2, 2e-3, 2, 5e-2, missing=2)
+    assert (policy._empty_extra, policy._empty_gap) == before[:2]
+    assert policy._finds[True].probes > before[2]  # noted as a probe that lost
+    policy.observe(outcomes, 2, 2e-3, 2, 1e-3)  # the drafter answered, root-only: empty
+    assert policy._empty_gap == 2 * before[1]
