@@ -32,6 +32,7 @@ from outrider.benchmarks.report import add_run_arguments, write_run_report
 
 FIXED_KS = (1, 2, 4, 8)
 CEILING_DEPTH = 8
+ADMISSIONS = ("waves", "continuous")
 
 
 def specs(method: str, family, recording: Path) -> dict:
@@ -46,12 +47,14 @@ def specs(method: str, family, recording: Path) -> dict:
 
 def run_once(
     runner, prompts, spec, mode: str, temperature: float, max_tokens: int, policies: dict, seed: int = 0,
-    batch: int | None = None,
+    batch: int | None = None, admission: str = "waves",
 ) -> dict:  # fmt: skip
-    """Seeded requests in `mode`, `batch` at a time (None: all at once), one after another
-    (a run of one 64-token request lasted ~80 ms: too short to time). The adaptive policy in `policies[mode]` carries
-    over from run to run, as in a long-running server (a fresh one spends its first rounds
-    measuring every depth). `seed` seeds the replay drafter's corruptions: each repeat draws
+    """Seeded requests in `mode`, `batch` at a time (None: all at once): in `waves`, each
+    `batch` requests start together and the next wait for the last of them (a run of one
+    64-token request lasted ~80 ms: too short to time); `continuous`, a request takes the
+    slot of one that finished, as a server keeps its batch full. The adaptive policy in
+    `policies[mode]` carries over from run to run, as in a long-running server (a fresh one
+    spends its first rounds measuring every depth). `seed` seeds the replay drafter's corruptions: each repeat draws
     afresh (with one seed every repeat of a fixed K would keep exactly the same tokens)."""
     from outrider.draft_worker import build_proposer
     from outrider.proto import TreeBudget
@@ -80,7 +83,10 @@ def run_once(
         for i in range(len(prompts))
     ]
     before = list(engine.policy.stats.depth_counts) if engine.policy is not None else None
-    size = batch or len(prompts)
+    if admission not in ADMISSIONS:
+        raise ValueError(f"admission {admission!r}; use one of {ADMISSIONS}")
+    # One `generate` a wave; continuous: one for all (the engine admits as slots free up).
+    size = (batch or len(prompts)) if admission == "waves" else len(prompts)
     started = time.perf_counter()
     completions = []
     for first in range(0, len(prompts), size):
@@ -110,6 +116,11 @@ def record(runner, prompts, max_tokens: int, path: Path) -> None:
     path.write_text(json.dumps([p + c.token_ids for p, c in zip(prompts, outputs, strict=True)]))
 
 
+def runs(batches: list[int], admissions: list[str]) -> list[tuple[int, str]]:
+    """(batch, admission) pairs to measure: at batch 1 the two admissions are one (`waves`)."""
+    return [(b, a) for b in batches for a in admissions if b > 1 or a == admissions[0]]
+
+
 def ideal_speedup(acceptance: float, k: int, batch: int, line: tuple[float, ...]) -> float:
     """tau(K) over what verifying K + 1 tokens per sequence costs against 1, from the fitted
     round cost a + b N + u B + j J (`RoundCost`: J, a lone sequence's step to a matrix
@@ -120,21 +131,23 @@ def ideal_speedup(acceptance: float, k: int, batch: int, line: tuple[float, ...]
     return tau * (a + (b + u) * batch) / (a + b * batch * (k + 1) + u * batch + step)
 
 
-def measure(runner, prompts, method, spec, temperature, args, batch: int) -> list[dict]:
-    """`prompts`: every run's requests, decoded `batch` at a time."""
+def measure(
+    runner, prompts, method, spec, temperature, args, batch: int, admission: str = "waves"
+) -> list[dict]:
+    """`prompts`: every run's requests, decoded `batch` at a time (`run_once`'s `admission`)."""
     modes = ["plain", *(f"K{k}" for k in FIXED_KS), "adaptive"]
     samples: dict[str, list[dict]] = {m: [] for m in modes}
     policies: dict = {}
+    common = (runner, prompts, spec)
     for mode in modes:  # warm-up, unmeasured
-        run_once(runner, prompts, spec, mode, temperature, args.max_tokens, policies, batch=batch)
+        run_once(*common, mode, temperature, args.max_tokens, policies, batch=batch, admission=admission)
     for repeat in range(args.repeats):
         shift = repeat % len(modes)
         for mode in modes[shift:] + modes[:shift]:
-            samples[mode].append(
-                run_once(
-                    runner, prompts, spec, mode, temperature, args.max_tokens, policies, repeat + 1, batch
-                )
+            run = run_once(
+                *common, mode, temperature, args.max_tokens, policies, repeat + 1, batch, admission
             )
+            samples[mode].append(run)
     plain = [s["tokens_per_s"] for s in samples["plain"]]
     line = samples["adaptive"][0]["verify_line"]
     rows = []
@@ -144,6 +157,7 @@ def measure(runner, prompts, method, spec, temperature, args, batch: int) -> lis
             "method": method if mode != "plain" else "plain",
             "temperature": temperature,
             "batch": batch,
+            "admission": admission,
             "requests": len(prompts),
             "mode": mode,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
@@ -177,8 +191,18 @@ def main(argv: list[str] | None = None) -> int:
         default=16,
         help="requests per run, decoded `batch` at a time (default 16; at least the batch)",
     )
+    parser.add_argument(
+        "--admission",
+        default="waves,continuous",
+        type=lambda s: s.split(","),
+        help="waves: each `batch` requests start together, the next wait for the last of them; "
+        "continuous: a request takes a finished one's slot (3 x batch requests a run, so the batch "
+        "stays full but for the end); at batch 1 the two are one (default: both)",
+    )
     add_run_arguments(parser, max_tokens=64, prompt_tokens=48)
     args = parser.parse_args(argv)
+    if not args.admission or set(args.admission) - set(ADMISSIONS):
+        parser.error(f"--admission: a comma-separated list of {', '.join(ADMISSIONS)}")
     torch.set_num_threads(1)
 
     from outrider.benchmarks.prompts import mid_prompt_ids
@@ -187,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     from outrider.target_worker.runner import ModelRunner
 
     family = ensure_demo_family(args.size)
-    most = max(args.batches)
-    prompts = mid_prompt_ids(family.tokenizer_dir, max(most, args.requests), args.prompt_tokens)
+    most = max(max(args.batches), args.requests)
+    most = max(most, 3 * max(args.batches)) if "continuous" in args.admission else most
+    prompts = mid_prompt_ids(family.tokenizer_dir, most, args.prompt_tokens)
     context = args.prompt_tokens + args.max_tokens + 2 * CEILING_DEPTH + 16
     runner = ModelRunner.from_pretrained(
-        family.target_dir, max_model_len=context, kv_cache_rows=max(most, args.requests) * context
+        family.target_dir, max_model_len=context, kv_cache_rows=most * context
     )
     rows = []
     with tempfile.TemporaryDirectory() as tmp, registered():
@@ -201,12 +226,15 @@ def main(argv: list[str] | None = None) -> int:
             spec = specs(method, family, recording)
             temperatures = [0.0] if method.startswith("replay-") else args.temperatures
             for temperature in temperatures:
-                for batch in args.batches:
+                for batch, admission in runs(args.batches, args.admission):
                     n = max(batch, args.requests) // batch * batch
-                    rows += measure(runner, prompts[:n], method, spec, temperature, args, batch)
+                    n = max(n, 3 * batch) if admission == "continuous" else n
+                    rows += measure(runner, prompts[:n], method, spec, temperature, args, batch, admission)
     notes = (
         f"Demo family `{args.size}`, `mid` prompts of {args.prompt_tokens} tokens, {args.max_tokens} new tokens "
-        f"each, seeded requests ({args.requests} a run, `batch` at a time), in-process drafters, chains, one torch thread, {args.repeats} repeats in "
+        f"each, seeded requests ({args.requests} a run, `batch` at a time: `waves`, each `batch` start together and "
+        "the next wait for the last of them; `continuous`, 3 x batch a run, a request taking a finished one's slot "
+        f"as a server keeps its batch full), in-process drafters, chains, one torch thread, {args.repeats} repeats in "
         "rotating order after one unmeasured warm-up (medians; speedups are ratios to `plain` in the same "
         "repeat). `K<k>`: every sequence drafts k tokens every round (fixed, vLLM's behaviour); `adaptive`: "
         f"the speculation policy with ceiling {CEILING_DEPTH} (`mean_depth` = its mean chosen depth, 0 = no "

@@ -126,11 +126,16 @@ class GoodputCheck:
         interval = max((self._late[o][1] for o in marks), default=self.config.probe_every)
         self._late[octave] = [rounds + interval, min(2 * interval, self.config.max_probe_every)]
 
-    def vetoed_until(self, num_seqs: int) -> int:
-        """The round drafting for `num_seqs` sequences is vetoed until (measured goodput, or a
-        drafter missing its deadline at that many: `late`)."""
+    def late_until(self, num_seqs: int) -> int:
+        """The round drafting for `num_seqs` sequences is vetoed until by a drafter that missed
+        its deadline at that many or fewer (`late`)."""
         octave = num_seqs.bit_length()
-        return max([self.veto_until] + [until for o, (until, _) in self._late.items() if o <= octave])
+        return max((until for o, (until, _) in self._late.items() if o <= octave), default=0)
+
+    def vetoed_until(self, num_seqs: int) -> int:
+        """The round drafting for `num_seqs` sequences is vetoed until (measured goodput, or
+        `late_until`)."""
+        return max(self.veto_until, self.late_until(num_seqs))
 
     def vetoed(self, rounds: int, num_seqs: int = 1) -> bool:
         """Whether drafting for `num_seqs` sequences is vetoed this round: the drafter missed

@@ -967,6 +967,19 @@ def test_a_round_whose_trees_all_missed_the_deadline_turns_drafting_off_at_once(
     assert any(b.max_depth for b in policy.budgets([0, 1], [CEILING] * 2, 0))
 
 
+def test_a_batch_of_a_new_size_is_not_probed_at_once_while_the_drafter_is_late_for_fewer():
+    """Off at batch 1, a batch of 16 is probed at once (`_draft_cost_at`), unless the drafter
+    just missed its deadline for 4 sequences: then it would miss it for 16 too."""
+    ids = list(range(16))
+    for late in (False, True):
+        policy = SpeculationPolicy(CEILING)
+        simulate(policy, {0: 0.05}, rounds=60, verify=(1e-3, 1e-3, 1e-4), draft=(5e-4, 1e-3))
+        assert policy._solved[0] == 0 and policy._next_probe > policy.rounds + 1
+        if late:
+            policy.check.late(4, True, policy.rounds)
+        assert any(b.max_depth for b in policy.budgets(ids, [CEILING] * 16, 0)) != late
+
+
 def test_a_probe_late_for_every_tree_is_a_lost_probe_not_an_empty_one():
     """Off, a probe whose trees all missed the deadline cost the deadline and found nothing:
     not spaced as probes the drafter had nothing for (`_empty_gap`, `_empty_extra`)."""
