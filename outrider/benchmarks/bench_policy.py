@@ -54,8 +54,9 @@ def run_once(
     64-token request lasted ~80 ms: too short to time); `continuous`, a request takes the
     slot of one that finished, as a server keeps its batch full. The adaptive policy in
     `policies[mode]` carries over from run to run, as in a long-running server (a fresh one
-    spends its first rounds measuring every depth). `seed` seeds the replay drafter's corruptions: each repeat draws
-    afresh (with one seed every repeat of a fixed K would keep exactly the same tokens)."""
+    spends its first rounds measuring every depth). `seed` seeds the replay drafter's
+    corruptions: each repeat draws afresh (with one seed every repeat of a fixed K would keep
+    exactly the same tokens)."""
     from outrider.draft_worker import build_proposer
     from outrider.proto import TreeBudget
     from outrider.target_worker.draft_source import InProcessDraftSource

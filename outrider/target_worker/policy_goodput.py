@@ -142,7 +142,7 @@ class GoodputCheck:
         its deadline at that many (`late`), or drafting rounds measured more than
         `goodput_margin` fewer committed tokens per plain-equivalent token than rounds
         without drafts. Called once a round."""
-        if rounds < self.veto_until or (self._late and rounds < self.vetoed_until(num_seqs)):
+        if rounds < self.veto_until or (self._late and rounds < self.late_until(num_seqs)):
             return True
         on, off = self.kinds[True], self.kinds[False]
         if not self.measured():

@@ -240,9 +240,7 @@ class Probing:
         `_note_probe` for each sampling class it asked, once rounds without drafts are measured.
 
         A probe whose drafter had nothing for anyone (a lookup that matched nothing: every tree
-        root-only) says nothing of what drafts are worth, and is not noted. One whose drafter
-        missed the round's deadline for all of them (`late`) is a lost probe: it cost the
-        deadline and found nothing, and is spaced by what it cost (`_probed`), not as empty. Noted, its upside
+        root-only) says nothing of what drafts are worth, and is not noted. Noted, its upside
         (nothing drafted) read as drafts not paying, and probes were spaced by cost alone:
         in-process ngram at batch 1, T = 0, the first requests' probes found no match (prose),
         the next probe was set ~500 rounds on, and the policy stayed off through the loops of
@@ -258,7 +256,11 @@ class Probing:
         0.97-1.01x off to 0.95-0.97x (prose: most probes empty). An in-process one's costs a
         fraction of a round; spaced by what any probe cost (drafted ones verify their drafts
         too), co-located ngram over HTTP at c = 1, T = 0 was off in 18.9% of sequence-rounds
-        (4.9% with empty probes every 16-64 rounds) and caught loops late."""
+        (4.9% with empty probes every 16-64 rounds) and caught loops late.
+
+        A probe whose drafter missed the round's deadline for all of them (`late`) is not
+        empty but lost: it cost the deadline and found nothing, and is noted as such (spaced
+        by what it cost, `_probed`)."""
         config, off = self.config, self.check.off
         tried = sum(o[2] for o in outcomes)
         if not (tried or late):
