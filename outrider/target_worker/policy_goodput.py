@@ -117,6 +117,8 @@ class GoodputCheck:
         So drafting for that many sequences or more is vetoed at once, `probe_every` rounds,
         doubling while each retry misses again (up to `max_probe_every`); trees answered in
         time for as many (a retry, or a probe) lift the veto at that size and below."""
+        if not (missed or self._late):  # (every drafting round: nothing to do, the usual case)
+            return
         octave = asked.bit_length()
         marks = [o for o in self._late if o <= octave]
         if not missed:

@@ -220,7 +220,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         # catching up on every token since the last probe: the pause's cost, not drafting's.
         worth -= self.draft_cost.coefficients()[2] * self._sent * len(outcomes) / (plain_s or 1.0)
         probe_paid = off[2] < config.off_min_rounds or committed * off[1] >= off[0] * max(worth, 0.0)
-        late = 0 < missing >= sum(o[1] > 0 for o in outcomes) + shadows  # every tree asked for missed
+        late = missing > 0 and missing >= sum(o[1] > 0 for o in outcomes) + shadows  # every tree asked missed
         if self._solved is not None and self._solved[0] == 0 and any(o[1] for o in outcomes):
             self._note_probes(outcomes, committed, worth, prefill_tokens, late)  # a probe while off
         asked = drafted = 0
