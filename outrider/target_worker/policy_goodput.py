@@ -1,7 +1,8 @@
 """The speculation policy's model checked against measurement (`spec_policy`, docs/algorithms.md
 section 2c): committed tokens per plain-equivalent token of the rounds the solver drafted in
-and of rounds nobody drafted, off probes that keep the second current, and a veto on drafting
-while it measures less, or while the drafter misses the round's deadline (`late`)."""
+and of rounds nobody drafted, per batch size (`BatchGoodput`), off probes that keep the second
+current, and a veto on drafting at a batch size while it measures less there, or while the
+drafter misses the round's deadline (`late`)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,37 @@ import numpy as np
 from outrider.target_worker.policy_config import PolicyConfig, PolicyStats
 
 
+class BatchGoodput:
+    """The goodput check at one batch size (an octave of B): decayed [tokens, plain-equivalent
+    tokens, rounds] of rounds the solver drafted in (True) and of rounds nobody drafted (False),
+    the veto on drafting there (until, the next veto's length), and its off probes (the next,
+    their spacing)."""
+
+    __slots__ = ("kinds", "veto_until", "veto_interval", "next_off", "off_interval")
+
+    def __init__(self, probe_every: int):
+        self.kinds = {True: [0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0]}
+        self.veto_until, self.veto_interval = 0, probe_every
+        self.next_off, self.off_interval = 0, probe_every
+
+
 class GoodputCheck:
+    """Kept per batch size: a round's plain-equivalent tokens are its seconds over the cost
+    fits' verify(B), and a line's error moves with B, so rounds of two kinds measured at
+    different batch sizes compare the fit's errors there, not drafting. Replay drafter (a =
+    0.5, batch 16, continuous admission, in process): rounds without drafts were mostly a
+    run's ramp-down (a few sequences left), drafting ones at B = 16, and one check read
+    drafting 1.37 against 0.79 without, where K = 1 and plain decoding measured the same
+    (1.88-1.92 against 1.91-1.97 tokens a ms): the policy drafted depth 1 throughout, 0.90x
+    plain. Compared at the batch being decided, a fit's error is the same on both sides."""
+
     def __init__(self, config: PolicyConfig, stats: PolicyStats):
         self.config, self.stats = config, stats
-        # Decayed [tokens, plain-equivalent tokens, rounds] of rounds the solver drafted in
-        # (True) and of rounds nobody drafted (False).
-        self.kinds = {True: [0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0]}
+        # B.bit_length() -> its `BatchGoodput`; `at`: the batch size last recorded or decided.
+        self._sizes: dict[int, BatchGoodput] = {}
+        self.at = self._size(1)
         self.planned: bool | None = None  # the planned round's kind (None: a probe or warm-up round)
         self.off_probe = False  # the planned round is an off probe (not to be probed either)
-        self._off_interval, self._next_off = config.probe_every, 0
-        self._veto_interval, self.veto_until = config.probe_every, 0
         # N.bit_length() (N: the forward's tokens) -> decayed [seconds measured, seconds the
         # cost fits predicted, rounds, the round of the last] of decode rounds (`scale`).
         self._timing: dict[int, list[float]] = {}
@@ -27,27 +49,54 @@ class GoodputCheck:
         # more is vetoed until, the next such veto's length] (`late`).
         self._late: dict[int, list[int]] = {}
 
+    def _size(self, num_seqs: int) -> BatchGoodput:
+        octave = int(num_seqs).bit_length()
+        size = self._sizes.get(octave)
+        if size is None:
+            size = self._sizes[octave] = BatchGoodput(self.config.probe_every)
+        return size
+
+    def select(self, num_seqs: int) -> BatchGoodput:
+        """The check at `num_seqs` sequences becomes the current one (`kinds`, `off`)."""
+        self.at = self._size(num_seqs)
+        return self.at
+
+    @property
+    def kinds(self) -> dict[bool, list[float]]:
+        return self.at.kinds
+
+    @kinds.setter
+    def kinds(self, kinds: dict[bool, list[float]]) -> None:
+        self.at.kinds = kinds
+
     @property
     def off(self) -> list[float]:
-        return self.kinds[False]
+        return self.at.kinds[False]
 
-    def record(self, committed: int, worth: float, prefill_tokens: int) -> None:
+    def record(self, committed: int, worth: float, prefill_tokens: int, num_seqs: int) -> None:
         """A round's committed tokens and its worth in plain-equivalent tokens (what plain
-        decoding would have committed in its time), under the planned round's kind."""
+        decoding would have committed in its time), under the planned round's kind at its
+        batch size (`num_seqs` sequences verified), which becomes the current one."""
+        kept = self.select(num_seqs).kinds
         if self.planned is not None and not prefill_tokens:  # prompt chunks would blur the rate
-            kept, decay = self.kinds[self.planned], self.config.goodput_decay
+            kept, decay = kept[self.planned], self.config.goodput_decay
             for i, value in enumerate((committed, worth, 1.0)):
                 kept[i] = decay * kept[i] + value
 
-    def record_rows(self, committed: np.ndarray, worth: np.ndarray) -> None:
+    def record_rows(self, committed: np.ndarray, worth: np.ndarray, num_seqs: np.ndarray) -> None:
         """`record` of several rounds without prompt chunks, in order, at once."""
         if self.planned is None or not len(committed):
             return
-        kept, decay = self.kinds[self.planned], self.config.goodput_decay
-        weights = decay ** np.arange(len(committed) - 1, -1, -1.0)  # the last round's is 1
-        scale = decay ** len(committed)
-        for i, value in enumerate((float(weights @ committed), float(weights @ worth), float(weights.sum()))):
-            kept[i] = scale * kept[i] + value
+        decay, octaves = self.config.goodput_decay, np.frexp(num_seqs)[1]  # (B.bit_length())
+        for octave in dict.fromkeys(octaves.tolist()):  # (in order: the last is the current)
+            at = octaves == octave
+            kept = self.select(int(num_seqs[at][-1])).kinds[self.planned]
+            weights = decay ** np.arange(int(at.sum()) - 1, -1, -1.0)  # the last round's is 1
+            scale = decay ** len(weights)
+            sums = (float(weights @ committed[at]), float(weights @ worth[at]), float(weights.sum()))
+            for i, value in enumerate(sums):
+                kept[i] = scale * kept[i] + value
+        self.select(int(num_seqs[-1]))
 
     def timed(self, num_tokens: int, measured: float, predicted: float, rounds: int) -> None:
         """A decode round whose forward carried `num_tokens` (round `rounds`): its seconds, and
@@ -135,30 +184,31 @@ class GoodputCheck:
         return max((until for o, (until, _) in self._late.items() if o <= octave), default=0)
 
     def vetoed_until(self, num_seqs: int) -> int:
-        """The round drafting for `num_seqs` sequences is vetoed until (measured goodput, or
-        `late_until`)."""
-        return max(self.veto_until, self.late_until(num_seqs))
+        """The round drafting for `num_seqs` sequences is vetoed until (measured goodput at
+        that batch size, or `late_until`)."""
+        return max(self._size(num_seqs).veto_until, self.late_until(num_seqs))
 
     def vetoed(self, rounds: int, num_seqs: int = 1) -> bool:
         """Whether drafting for `num_seqs` sequences is vetoed this round: the drafter missed
-        its deadline at that many (`late`), or drafting rounds measured more than
-        `goodput_margin` fewer committed tokens per plain-equivalent token than rounds
-        without drafts. Called once a round."""
-        if rounds < self.veto_until or (self._late and rounds < self.late_until(num_seqs)):
+        its deadline at that many (`late`), or at that batch size (which becomes the current
+        one) drafting rounds measured more than `goodput_margin` fewer committed tokens per
+        plain-equivalent token than rounds without drafts. Called once a round."""
+        at = self.select(num_seqs)
+        if rounds < at.veto_until or (self._late and rounds < self.late_until(num_seqs)):
             return True
-        on, off = self.kinds[True], self.kinds[False]
+        on, off = at.kinds[True], at.kinds[False]
         if not self.measured():
             return False
         if on[0] * off[1] >= (1.0 - self.config.goodput_margin) * off[0] * on[1]:  # pays, or within noise
-            self._veto_interval = self.config.probe_every
+            at.veto_interval = self.config.probe_every
             return False
-        self.veto_until = rounds + self._veto_interval
-        self._veto_interval = min(2 * self._veto_interval, self.config.max_probe_every)
-        self.kinds[True] = [0.0, 0.0, 0.0]  # the retry after it measures afresh
+        at.veto_until = rounds + at.veto_interval
+        at.veto_interval = min(2 * at.veto_interval, self.config.max_probe_every)
+        at.kinds[True] = [0.0, 0.0, 0.0]  # the retry after it measures afresh
         return True
 
     def measured(self) -> bool:
-        """Both kinds of round measured enough for the check."""
+        """Both kinds of round measured enough for the check at the current batch size."""
         config = self.config
         return (
             self.kinds[True][2] >= config.goodput_min_rounds and self.kinds[False][2] >= config.off_min_rounds
@@ -167,6 +217,7 @@ class GoodputCheck:
     def checked(self, depths: list[int], vetoed: bool, rounds: int) -> list[int]:
         """The solver's depths, unless measurement says otherwise: all 0 on an off probe, or
         while vetoed."""
+        self.select(len(depths))
         self.planned, self.off_probe = None, False
         if not any(depths):  # measures rounds without drafts as an off probe would (a
             self.planned = False  # request's last round at batch 1): the next probe waits
@@ -176,7 +227,7 @@ class GoodputCheck:
             self.stats.vetoed_rounds += 1
             self.planned = False
             return [0] * len(depths)
-        if rounds >= self._next_off:
+        if rounds >= self.at.next_off:
             self._next_off_probe(rounds)
             self.stats.off_probes += 1
             self.planned, self.off_probe = False, True
@@ -185,8 +236,12 @@ class GoodputCheck:
         return depths
 
     def _next_off_probe(self, rounds: int) -> None:
-        """A round without drafts is measured now: the next off probe is due an interval on,
-        spaced ever wider once both kinds are measured (and drafting wins: not vetoed)."""
+        """A round without drafts is measured now at the current batch size: the next off probe
+        there is due an interval on, spaced ever wider once both kinds are measured (and
+        drafting wins: not vetoed). Per batch size: with one schedule, spaced wide by what was
+        measured at a few sequences, batch 16 saw one round without drafts in ~100 (replay, a =
+        0.5, continuous admission), too few for the check there."""
+        at = self.at
         if self.measured():
-            self._off_interval = min(2 * self._off_interval, self.config.max_probe_every)
-        self._next_off = rounds + self._off_interval
+            at.off_interval = min(2 * at.off_interval, self.config.max_probe_every)
+        at.next_off = rounds + at.off_interval

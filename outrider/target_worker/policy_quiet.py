@@ -112,7 +112,7 @@ class Quiet:
         plain_s = self.verify_cost.plain_seconds(num_seqs)
         worth = seconds * num_seqs / (plain_s if plain_s > 0 else 1.0)
         if self.verify_cost.knows(num_seqs):  # (else verify(B) is extrapolated: no evidence)
-            self.check.record(committed, worth, prefill_tokens)
+            self.check.record(committed, worth, prefill_tokens, num_seqs)
         off = self.check.off
         if self._probing and not prefill_tokens and off[2] > 0:
             extra = max(0.0, worth - off[1] / off[2])
@@ -149,7 +149,7 @@ class Quiet:
         self.verify_cost.add_rows(n + prefill, n, seconds, forward, decode)
         plain_s = self.verify_cost.plain_seconds(n)
         worth = seconds * n / np.where(plain_s > 0, plain_s, 1.0)
-        self.check.record_rows(n[decode], worth[decode])  # (prompt chunks would blur the rate)
+        self.check.record_rows(n[decode], worth[decode], n[decode])  # (prompt chunks would blur the rate)
         timed = decode & (n > 1)  # (`_timed`)
         if self._solved is not None and timed.any():
             self.check.timed_rows(n[timed], seconds[timed], plain_s[timed], self.rounds)
@@ -168,7 +168,7 @@ class Quiet:
             if prefill:  # (prompt chunks would blur the rate)
                 continue
             plain_s = fits.plain_seconds(n)
-            check.record(n, seconds * n / (plain_s if plain_s > 0 else 1.0), 0)
+            check.record(n, seconds * n / (plain_s if plain_s > 0 else 1.0), 0, n)
             if self._solved is not None and n > 1:  # (`_timed`)
                 check.timed(n, seconds, plain_s, first + i)
         self._probing = False

@@ -18,11 +18,11 @@ def test_goodput_rounds_recorded_at_once_as_one_by_one():
     checks = [GoodputCheck(PolicyConfig(), PolicyStats()) for _ in range(2)]
     for check in checks:
         check.planned = False
-        check.record(3, 2.5, 0)
+        check.record(3, 2.5, 0, 4)
     committed, worth = np.array([1.0, 2.0, 1.0, 4.0]), np.array([1.1, 1.9, 0.8, 3.5])
     for c, w in zip(committed, worth, strict=True):
-        checks[0].record(int(c), float(w), 0)
-    checks[1].record_rows(committed, worth)
+        checks[0].record(int(c), float(w), 0, 4)
+    checks[1].record_rows(committed, worth, np.full(4, 4))
     assert checks[1].kinds[False] == pytest.approx(checks[0].kinds[False], rel=1e-12)
     assert checks[1].kinds[True] == [0.0, 0.0, 0.0]
 

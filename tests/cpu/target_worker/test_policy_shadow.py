@@ -56,7 +56,9 @@ def shadowing_policy(shadow_cost_s: float = 1e-5) -> SpeculationPolicy:
         for kind in (True, False):
             policy.glob[kind].add(2, 2, 0, policy.config.global_decay)
     # No off probe or probe comes unless a test asks (neither is shadowed alongside).
-    policy.check._next_off = policy._next_probe = 10**9
+    policy._next_probe = 10**9
+    for num_seqs in (1, 2):
+        policy.check.select(num_seqs).next_off = 10**9
     policy._draft_octaves.update((1, 2))  # (a batch size never drafted at is probed at once)
     return policy
 

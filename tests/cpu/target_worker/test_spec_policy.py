@@ -962,8 +962,9 @@ def test_a_round_whose_trees_all_missed_the_deadline_turns_drafting_off_at_once(
     after = [late_round(0) for _ in range(8)]  # (no tree asked for: none can be late)
     assert not any(map(any, after[:7]))  # (a shared depth-1 probe aside: none due here)
     assert min(late_round(0)) >= 5  # the retry, answered in time: drafting again
-    # At a smaller batch the veto does not hold.
+    # At a smaller batch the veto does not hold (no off probe due there either).
     policy.check.late(16, True, policy.rounds)
+    policy.check.select(2).next_off = policy.rounds + 1
     assert any(b.max_depth for b in policy.budgets([0, 1], [CEILING] * 2, 0))
 
 
