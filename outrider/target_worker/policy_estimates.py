@@ -53,6 +53,31 @@ class DraftCounts:
             self._sums = [[v / w for v in row] for row in sums]
             self._weight = 1.0
 
+    def add_round(self, drafts: Seq[tuple[int, int, int]], decay: float) -> None:
+        """`add` of a round's drafts, (budget depth, tree depth, kept) each, weighed alike (the
+        weight of the round's last): one pass per count, not per draft and depth (the batch-wide
+        counts take every drafting sequence's: at batch 64, ~0.1 ms a round that way, draft by
+        draft ~0.3)."""
+        if not drafts:
+            return
+        self._weight /= decay ** len(drafts)
+        depth, w, sums = len(self._sums[0]), self._weight, self._sums
+        ends = [[0] * (depth + 1) for _ in range(4)]  # [count][n]: drafts that reach n
+        for budget_depth, tree_depth, accepted in drafts:
+            ends[0][min(tree_depth + 1, budget_depth, depth)] += 1
+            ends[1][min(tree_depth, depth)] += 1
+            ends[2][min(accepted + 1, tree_depth, depth)] += 1
+            ends[3][min(accepted, depth)] += 1
+        for row, reach in zip(sums, ends, strict=True):
+            beyond = 0
+            for d in range(depth - 1, -1, -1):
+                beyond += reach[d + 1]
+                if beyond:
+                    row[d] += w * beyond
+        if w > 1e100:  # before the weights overflow
+            self._sums = [[v / w for v in row] for row in sums]
+            self._weight = 1.0
+
 
 # A sequence's expected (tokens, nodes, chance of any draft) per depth budget 0 .. K.
 Row = tuple[list[float], list[float], list[float]]
@@ -216,6 +241,9 @@ def dinkelbach(
     rate lam each sequence takes the depth maximising tokens - lam x seconds; lam <- the rate
     that achieves), from `lam` (the last choice's rate: two or three iterations). Python
     floats: on a handful of values a numpy call costs more than the arithmetic it does."""
+    if m == 0:  # (nothing to choose: every sequence verifies its root)
+        total = base_s + sum(cost[0] for cost in seconds)
+        return sum(gain[0] for gain, _, _ in rows) / max(total, 1e-9), [0] * len(rows)
     for _ in range(4):
         choice, tokens, total = [], 0.0, base_s
         for (gain, _, _), cost, cap in zip(rows, seconds, ceiling, strict=True):

@@ -118,6 +118,9 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         self._gain_rows: dict[int, tuple[int, Row]] = {}  # seq_id -> (round, its `_gains` rows)
         self._gains_version = 0  # bumped whenever a row of `_gain_rows` is recomputed
         self._choice: tuple[tuple, list[int]] = ((), [])  # (what it was chosen from, the depths)
+        # id(row) -> (row, its `sequence_seconds`) at `_seconds_terms` (`_seconds`).
+        self._row_seconds: dict[int, tuple[Row, list[float]]] = {}
+        self._seconds_terms: tuple[float, ...] = ()
         self._next_fit = 0  # the round from which a solve refits the cost fits
         self._veto_asked = (-1, False)  # (the round, `quiet`'s `_vetoed` answer)
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
@@ -224,6 +227,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         if self._solved is not None and self._solved[0] == 0 and any(o[1] for o in outcomes):
             self._note_probes(outcomes, committed, worth, prefill_tokens, late)  # a probe while off
         asked = drafted = 0
+        batch_wide: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # (`glob`)
         self._tree_nodes *= config.global_decay
         self._tree_depths *= config.global_decay
         for i, (seq_id, budget_depth, depth, accepted, committed) in enumerate(outcomes):
@@ -254,12 +258,13 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             if depth:
                 self._tree_nodes += depth if draft_nodes is None else draft_nodes[i]
                 self._tree_depths += depth
-            glob = self.glob[self._greedy.get(seq_id, True)]
             own = self.seqs.get(seq_id)
             if own is None:  # (not `setdefault`: an empty one built every round cost ~5 us)
-                own = self.seqs[seq_id] = DraftCounts.empty(glob.depth)
+                own = self.seqs[seq_id] = DraftCounts.empty(len(self._nodes) - 1)
             own.add(budget_depth, depth, accepted, config.sequence_decay)
-            glob.add(budget_depth, depth, accepted, config.global_decay)
+            batch_wide[self._greedy.get(seq_id, True)].append((budget_depth, depth, accepted))
+        for kind, drafts in batch_wide.items():
+            self.glob[kind].add_round(drafts, config.global_decay)
         if asked + shadows:
             self.check.late(asked + shadows, late, self.rounds)
         features = (forward_tokens, asked + shadows, drafted, len(outcomes))
@@ -360,6 +365,20 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
                 out[i] = row
         return out
 
+    def _seconds(self, rows: list[Row], terms: tuple[float, ...]) -> list[list[float]]:
+        """`sequence_seconds` of each row, kept while the row (`_gain`'s, reused for rounds) and
+        the cost terms are the same: at batch 64 computing them afresh at every choice was
+        ~0.1 ms a round."""
+        if terms != self._seconds_terms or len(self._row_seconds) > 4 * len(rows) + 64:
+            self._seconds_terms, self._row_seconds = terms, {}
+        kept, out = self._row_seconds, []
+        for row in rows:
+            known = kept.get(id(row))
+            if known is None or known[0] is not row:  # (the row held: its id is not reused meanwhile)
+                known = kept[id(row)] = (row, sequence_seconds([row], *terms)[0])
+            out.append(known[1])
+        return out
+
     def _warming_up(self) -> bool:
         return self.rounds < (self.ceiling.max_depth + 1) * self.config.warmup_cycles
 
@@ -393,7 +412,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         c, e, g, h = self.draft_cost.coefficients()
         if len(rows) == 1 and not prefill_tokens:  # a lone tree with drafts steps up (`RoundCost`)
             overhead += j
-        seconds = sequence_seconds(rows, b, ask, overhead, g, h)
+        seconds = self._seconds(rows, (b, ask, overhead, g, h))
         # Prompt chunks cost b x their tokens whatever the depths: out of the rate, which
         # they lowered till drafts that lose to plain decoding looked worth it (docs 2c).
         fixed_s = a + u * len(rows)  # (u: every sequence's, whatever its depth)

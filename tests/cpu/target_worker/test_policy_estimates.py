@@ -126,3 +126,30 @@ def test_dinkelbach_finds_the_best_deepest_budget_and_depths():
         lam, ks = solved[m]
         assert m in ms and all(k <= min(cap, m) for k, cap in zip(ks, ceiling, strict=True))
         assert rate(m, ks) == pytest.approx(best, rel=1e-6) and lam == pytest.approx(best, rel=1e-3)
+
+
+def test_a_rounds_drafts_add_to_the_batch_wide_counts_as_one_by_one():
+    """`add_round` weighs a round's drafts alike (its last's weight) and counts what `add`
+    counts draft by draft: asked, drafted, tried and kept per depth."""
+    from outrider.target_worker.policy_estimates import DraftCounts
+
+    drafts = [(4, 4, 4), (4, 2, 1), (3, 0, 0), (2, 2, 0), (1, 1, 1), (4, 3, 3)]
+    one_by_one, at_once = DraftCounts.empty(4), DraftCounts.empty(4)
+    for draft in drafts:
+        one_by_one.add(*draft, decay=1.0)
+    at_once.add_round(drafts, decay=1.0)
+    assert np.array(at_once.counts) == pytest.approx(np.array(one_by_one.counts))
+    assert one_by_one.counts[0] == [6.0, 4.0, 3.0, 2.0]  # asked: a depth past the tree's + 1 is not
+    # Decayed: the round as a whole weighs what its drafts did one by one, within the decay.
+    for decay in (0.99, 0.9):
+        one_by_one, at_once = DraftCounts.empty(4), DraftCounts.empty(4)
+        for _ in range(3):
+            for draft in drafts:
+                one_by_one.add(*draft, decay=decay)
+            at_once.add_round(drafts, decay=decay)
+        older = decay ** (len(drafts) - 1)  # the round's first draft weighed this much less
+        got, want = np.array(at_once.counts), np.array(one_by_one.counts)
+        assert (want * (1 - 1e-12) <= got).all() and (got <= want / older * (1 + 1e-12)).all()
+    empty = DraftCounts.empty(4)
+    empty.add_round([], decay=0.9)
+    assert empty.counts == [[0.0] * 4] * 4

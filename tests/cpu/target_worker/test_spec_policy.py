@@ -994,3 +994,18 @@ def test_a_probe_late_for_every_tree_is_a_lost_probe_not_an_empty_one():
     assert policy._finds[True].probes > before[2]  # noted as a probe that lost
     policy.observe(outcomes, 2, 2e-3, 2, 1e-3)  # the drafter answered, root-only: empty
     assert policy._empty_gap == 2 * before[1]
+
+
+def test_a_rows_seconds_are_kept_while_the_row_and_the_cost_terms_are():
+    """`_seconds` reuses a row's `sequence_seconds` while `_gain` reuses the row, and works
+    them out afresh for a new row or new cost terms."""
+    policy = SpeculationPolicy(CEILING)
+    rows = policy._gain([0, 1])
+    terms = (1e-4, 2e-5, 1e-5, 1e-6, 3e-6)
+    first = policy._seconds(rows, terms)
+    assert first == sequence_seconds(rows, *terms)
+    assert all(a is b for a, b in zip(policy._seconds(rows, terms), first, strict=True))
+    other = (2e-4, *terms[1:])
+    assert policy._seconds(rows, other) == sequence_seconds(rows, *other)
+    fresh = ([1.0, 1.5, *rows[0][0][2:]], rows[0][1], rows[0][2])  # a refreshed row
+    assert policy._seconds([fresh, rows[1]], other) == sequence_seconds([fresh, rows[1]], *other)
