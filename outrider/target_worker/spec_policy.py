@@ -47,11 +47,11 @@ from outrider.target_worker.policy_estimates import (
     DraftCounts,
     Outcome,
     Row,
+    RowSeconds,
     dinkelbach,
     expected_gains,
     forwarded,
     moved,
-    sequence_seconds,
     spread_prior,
 )
 from outrider.target_worker.policy_goodput import GoodputCheck
@@ -118,9 +118,7 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
         self._gain_rows: dict[int, tuple[int, Row]] = {}  # seq_id -> (round, its `_gains` rows)
         self._gains_version = 0  # bumped whenever a row of `_gain_rows` is recomputed
         self._choice: tuple[tuple, list[int]] = ((), [])  # (what it was chosen from, the depths)
-        # id(row) -> (row, its `sequence_seconds`) at `_seconds_terms` (`_seconds`).
-        self._row_seconds: dict[int, tuple[Row, list[float]]] = {}
-        self._seconds_terms: tuple[float, ...] = ()
+        self._seconds = RowSeconds()  # each row's `sequence_seconds`, kept while it is
         self._next_fit = 0  # the round from which a solve refits the cost fits
         self._veto_asked = (-1, False)  # (the round, `quiet`'s `_vetoed` answer)
         self.stats = PolicyStats(depth_counts=[0] * (depth + 1))
@@ -363,20 +361,6 @@ class SpeculationPolicy(Probing, Shadowing, Quiet):
             gains = expected_gains(own, self.glob[kind], prior, self.deepest_seen, width, self._nodes, keep)
             for i, row in zip(at, gains, strict=True):
                 out[i] = row
-        return out
-
-    def _seconds(self, rows: list[Row], terms: tuple[float, ...]) -> list[list[float]]:
-        """`sequence_seconds` of each row, kept while the row (`_gain`'s, reused for rounds) and
-        the cost terms are the same: at batch 64 computing them afresh at every choice was
-        ~0.1 ms a round."""
-        if terms != self._seconds_terms or len(self._row_seconds) > 4 * len(rows) + 64:
-            self._seconds_terms, self._row_seconds = terms, {}
-        kept, out = self._row_seconds, []
-        for row in rows:
-            known = kept.get(id(row))
-            if known is None or known[0] is not row:  # (the row held: its id is not reused meanwhile)
-                known = kept[id(row)] = (row, sequence_seconds([row], *terms)[0])
-            out.append(known[1])
         return out
 
     def _warming_up(self) -> bool:
