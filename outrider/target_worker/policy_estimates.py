@@ -49,9 +49,14 @@ class DraftCounts:
         ):
             for d in range(n):
                 row[d] += w
-        if w > 1e100:  # before the weights overflow
-            self._sums = [[v / w for v in row] for row in sums]
-            self._weight = 1.0
+        if w > 1e100:  # (before the weights overflow)
+            self._bound()
+
+    def _bound(self) -> None:
+        """Divides the weight out of the sums (before it overflows)."""
+        w = self._weight
+        self._sums = [[v / w for v in row] for row in self._sums]
+        self._weight = 1.0
 
     def add_round(self, drafts: Seq[tuple[int, int, int]], decay: float) -> None:
         """`add` of a round's drafts, (budget depth, tree depth, kept) each, weighed alike (the
@@ -74,9 +79,8 @@ class DraftCounts:
                 beyond += reach[d + 1]
                 if beyond:
                     row[d] += w * beyond
-        if w > 1e100:  # before the weights overflow
-            self._sums = [[v / w for v in row] for row in sums]
-            self._weight = 1.0
+        if w > 1e100:
+            self._bound()
 
 
 # A sequence's expected (tokens, nodes, chance of any draft) per depth budget 0 .. K.

@@ -153,3 +153,32 @@ def test_a_rounds_drafts_add_to_the_batch_wide_counts_as_one_by_one():
     empty = DraftCounts.empty(4)
     empty.add_round([], decay=0.9)
     assert empty.counts == [[0.0] * 4] * 4
+
+
+def test_the_goodput_check_compares_drafting_with_rounds_without_drafts_at_the_same_batch_size():
+    """The verify fit prices plain rounds well at batch 16 and 2x too high at batch 2 (rounds
+    without drafts there read 0.5 committed per plain-equivalent token). At batch 16 drafting
+    reads 1.0 and rounds without drafts 1.2: drafting loses there, and is vetoed at 16 (not at
+    2, where nothing drafted). Pooled across sizes, the batch-2 rounds would have hidden it."""
+    from outrider.target_worker.policy_config import PolicyConfig, PolicyStats
+    from outrider.target_worker.policy_goodput import GoodputCheck
+
+    config = PolicyConfig()
+    check = GoodputCheck(config, PolicyStats())
+    for planned, committed, worth, seqs, rounds in (
+        (False, 2, 4.0, 2, 40),  # the ramp-down, mispriced by the fit
+        (False, 16, 16 / 1.2, 16, 5),
+        (True, 24, 24.0, 16, 20),
+    ):
+        check.planned = planned
+        for _ in range(rounds):
+            check.record(committed, worth, 0, seqs)
+    on, off2, off16 = (
+        check.select(16).kinds[True],
+        check.select(2).kinds[False],
+        check.select(16).kinds[False],
+    )
+    pooled_off = [a + b for a, b in zip(off2, off16, strict=True)]
+    assert on[0] * pooled_off[1] >= on[1] * pooled_off[0]  # pooled: drafting "wins"
+    assert check.vetoed(100, 16) and check.vetoed_until(16) > 100
+    assert not check.vetoed(100, 2) and check.vetoed_until(2) == 0
