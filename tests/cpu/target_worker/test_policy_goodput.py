@@ -57,3 +57,29 @@ def test_a_drafter_late_for_every_tree_vetoes_drafting_at_that_many_and_more():
     assert not check.vetoed(130, 16) and not check.vetoed(130, 4)
     check.late(16, True, 140)  # and the next miss starts afresh
     assert check.vetoed_until(16) == 148
+
+
+def test_off_probes_at_a_batch_size_wait_until_drafting_there_is_measured():
+    """A wave of requests passes through every batch size on its way up and down: an off probe
+    at each size's first round (where the check could not yet compare: too few drafting rounds
+    there) cost a whole batch's drafts and taught the check nothing it used."""
+    config = PolicyConfig()
+    check = GoodputCheck(config, PolicyStats())
+    rounds = 0
+
+    def run(num_seqs: int, count: int) -> list[int]:  # the rounds that were off probes
+        nonlocal rounds
+        probes = []
+        for _ in range(count):
+            depths = check.checked([4] * num_seqs, False, rounds)
+            probes += [rounds] if check.off_probe else []
+            committed = num_seqs if check.off_probe else 3 * num_seqs  # drafting pays 3x
+            check.record(committed, float(num_seqs), 0, num_seqs)
+            assert any(depths) != check.off_probe
+            rounds += 1
+        return probes
+
+    for size in (1, 2, 4, 8, 16, 32):  # the ramp: a few rounds at each size
+        assert not run(size, 5)
+    start, probes = rounds, run(64, 60)
+    assert probes and probes[0] - start >= config.goodput_min_rounds and len(probes) >= 3
