@@ -103,13 +103,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="demo family: skip methods whose head is not built yet instead of training it",
     )
-    parser.add_argument("--prompts", type=int, help="held-out prompts per set (default: 5; 2 with --quick)")
-    parser.add_argument("--repeats", type=int, help="sweeps over all prompts (default: 2; 1 with --quick)")
     parser.add_argument(
-        "--max-tokens", type=int, help="new tokens per request, EOS ignored (default: 128; 24 with --quick)"
+        "--prompts", type=positive, help="held-out prompts per set (default: 5; 2 with --quick)"
     )
     parser.add_argument(
-        "--prompt-tokens", type=int, help="prompt length in tokens (default: 128; 48 with --quick)"
+        "--repeats", type=positive, help="sweeps over all prompts (default: 2; 1 with --quick)"
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=positive,
+        help="new tokens per request, EOS ignored (default: 128; 24 with --quick)",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=positive, help="prompt length in tokens (default: 128; 48 with --quick)"
     )
     parser.add_argument(
         "--sets", default="mid,start", help="prompt sets (default: %(default)s; mid is the primary set)"
@@ -124,21 +130,42 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tree-sizes",
+        type=positive_list,
         help="tree budgets (max nodes) for the tree-size sweep; empty = none (default: 4,8,16,32)",
     )
     parser.add_argument(
-        "--concurrency", help="serving concurrency levels; empty = no serving (default: 1,4,16)"
+        "--concurrency",
+        type=positive_list,
+        help="serving concurrency levels; empty = no serving (default: 1,4,16)",
     )
     parser.add_argument(
-        "--serve-requests", type=int, help="requests per level and variant (at least the concurrency)"
+        "--serve-requests", type=positive, help="requests per level and variant (at least the concurrency)"
     )
-    parser.add_argument("--serve-repeats", type=int, help="repeats of the serving sweep")
+    parser.add_argument("--serve-repeats", type=positive, help="repeats of the serving sweep")
     parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument(
         "--seed", type=int, default=0, help="order shuffling and sampling seeds (default: %(default)s)"
     )
     parser.add_argument("--schema", action="store_true", help="print the JSON schema of the report and exit")
+
+
+def positive(text: str) -> int:
+    """An argument that must be a whole number >= 1 (an error before anything runs, not after)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+def positive_list(text: str) -> str:
+    """Comma-separated whole numbers >= 1, or empty (kept as given: `bench_sweep` splits it)."""
+    for item in filter(None, text.split(",")):
+        positive(item)
+    return text
 
 
 def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:

@@ -134,3 +134,25 @@ def test_methods_without_a_head_are_skipped_with_a_reason(tmp_path):
     table = method_table(models, METHODS)
     assert {c["method"] for c in table.values() if c} == {"ngram", "suffix", "medusa"}
     assert next(iter(table)) == "plain"
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--concurrency", "0"], "--concurrency: 0 is not at least 1"),
+        (["--concurrency", "1,x"], "--concurrency: 'x' is not a whole number"),
+        (["--tree-sizes", "4,-8"], "--tree-sizes: -8 is not at least 1"),
+        (["--prompts", "0"], "--prompts: 0 is not at least 1"),
+        (["--serve-requests", "-2"], "--serve-requests: -2 is not at least 1"),
+    ],
+)
+def test_bench_refuses_counts_below_one_before_it_runs(argv, said, capsys):
+    """`--concurrency 0` ran every configuration, then failed serving (`max_workers must be
+    greater than 0`): a count is checked as it is parsed."""
+    parser = argparse.ArgumentParser(prog="outrider bench")
+    add_bench_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)
+    assert said in capsys.readouterr().err
+    args = resolve_defaults(parser.parse_args(["--concurrency", "", "--tree-sizes", "4,8"]))
+    assert (args.concurrency, args.tree_sizes) == ("", "4,8")  # empty: no serving
