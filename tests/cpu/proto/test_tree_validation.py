@@ -4,6 +4,7 @@ with a message naming the field, index and value; valid chains and trees pass.""
 from __future__ import annotations
 
 import math
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -332,3 +333,70 @@ def test_structure_checks_match_a_python_walk(batch: list[list[int]], max_depth:
     errors = check_trees(trees, [budget] * len(trees), VOCAB)
     for tree, error in zip(trees, errors, strict=True):
         assert (error is None) == _reference_structure_ok(tree.parents.tolist(), budget), error
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    batch=st.lists(
+        st.tuples(
+            st.integers(1, 9),  # nodes
+            st.sampled_from(
+                ["none", "rows", "token", "parent", "q_id", "q_prob", "q_nan", "q_nodes", "q_wide", "sampled"]
+            ),  # what is off a plain chain (rows: point-mass q rows, as prompt lookup sends)
+            st.integers(0, 8),  # where
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    max_depth=st.integers(0, 8),
+    top_k=st.integers(1, 3),
+)
+def test_plain_chains_skip_the_value_checks_with_the_same_verdicts(batch, max_depth, top_k) -> None:
+    """Deterministic chains with at most point-mass q rows (prompt lookup, drafters at T = 0)
+    are accepted without the vectorised checks; anything off such a chain still goes through
+    them, and every verdict and message is what the checks alone give."""
+    from outrider.proto import validation
+
+    budget = TreeBudget(max_nodes=9, max_depth=max_depth, top_k=top_k, q_width=2)
+    trees = []
+    for seq_id, (num_nodes, off, where) in enumerate(batch):
+        tokens, parents = list(range(num_nodes)), list(range(-1, num_nodes - 1))
+        at = min(where, num_nodes - 1)
+        rows = max(num_nodes - 1, 1) if off not in ("none", "token", "parent", "sampled") else 0
+        q_nodes, q_ids, q_probs = list(range(rows)), [[t] for t in tokens[1:] or [0]], [[1.0]] * rows
+        sampling = DraftSampling.WITHOUT_REPLACEMENT if off == "sampled" else DraftSampling.DETERMINISTIC
+        if off == "token":
+            tokens[at] = VOCAB + where
+        elif off == "parent" and at > 0:
+            parents[at] = at - 1 - where % 2 if where % 3 else at
+        elif off == "q_id":
+            q_ids[min(at, rows - 1)] = [VOCAB if where % 2 else -1]
+        elif off in ("q_prob", "q_nan"):
+            q_probs = [[1.0]] * (rows - 1) + [[math.nan if off == "q_nan" else 1.0 + where / 8]]
+        elif off == "q_nodes":
+            q_nodes = [min(where, rows)] + q_nodes[1:]
+        elif off == "q_wide":
+            q_ids, q_probs = (
+                [row + [VOCAB if where % 2 else -1] for row in q_ids],
+                [r + [0.0] for r in q_probs],
+            )
+        width = len(q_ids[0])
+        trees.append(
+            make_tree(
+                sampling,
+                seq_id=seq_id,
+                tokens=torch.tensor(tokens),
+                parents=torch.tensor(parents),
+                q_nodes=torch.tensor(q_nodes, dtype=torch.int64),
+                q_token_ids=torch.tensor(q_ids[:rows], dtype=torch.int64).reshape(rows, width),
+                q_probs=torch.tensor(q_probs[:rows], dtype=torch.float32).reshape(rows, width),
+            )
+        )
+    budgets = [budget] * len(trees)
+    fast = [None if e is None else str(e) for e in check_trees(trees, budgets, VOCAB)]
+    with patch.object(validation, "_plain_chain", lambda *_: False):
+        full = [None if e is None else str(e) for e in check_trees(trees, budgets, VOCAB)]
+    assert fast == full
+    # (Not vacuous: plain chains within the budget pass.)
+    plain = [i for i, (n, off, _) in enumerate(batch) if off in ("none", "rows") and n - 1 <= max_depth]
+    assert all(fast[i] is None for i in plain)
