@@ -61,3 +61,29 @@ def test_verify_walks_small_cpu_batches_on_the_host_and_larger_ones_batched(monk
         calls.clear()
         verify(trees, probs, greedy, randoms)
         assert calls == [expected]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, HOST_MAX_BATCH + 4),
+    all_greedy=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
+def test_greedy_rows_take_the_first_of_tied_maxima_in_every_dtype(seed, batch, all_greedy, dtype) -> None:
+    """Greedy rows read raw logits on the CPU (`target_probs`), in the model's dtype: the host
+    walk's argmax (numpy's where it holds the dtype) picks the first of tied maxima, as the
+    vectorised walk's torch.argmax does, whether every row is greedy (no gather) or some."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(VOCAB, VOCAB, generator=gen) * 2).round()  # many ties
+    trees = random_trees(gen, batch, 6, VOCAB, q_top_k=4, greedy_bias=logits)
+    values = logits[trees.token_ids].to(dtype)
+    greedy = torch.ones(batch, dtype=torch.bool) if all_greedy else torch.rand(batch, generator=gen) < 0.5
+    per_seq = [torch.Generator().manual_seed(seed + b) for b in range(batch)]
+    randoms = draw_verify_randoms(trees.cu_num_draft_tokens, VOCAB, per_seq)
+    if randoms.exponentials is None or (not all_greedy and batch > HOST_MAX_BATCH):
+        return
+    probs = values if all_greedy else values.float().softmax(-1)
+    fast, slow = verify_host(trees, probs, greedy, randoms), verify_reference(trees, probs, greedy, randoms)
+    assert torch.equal(fast.output_token_ids, slow.output_token_ids)
+    assert torch.equal(fast.num_output_tokens, slow.num_output_tokens)
