@@ -104,8 +104,9 @@ def verify(
     randoms: VerifyRandoms | None = None,  # may be None only when every sequence is greedy
     backend: Backend | None = None,
 ) -> VerifyOutput:
+    all_greedy = bool(is_greedy.all())
     if randoms is None:
-        if not bool(is_greedy.all()):
+        if not all_greedy:
             raise ValueError("sampled sequences need VerifyRandoms (see draw_verify_randoms)")
         randoms = VerifyRandoms(
             torch.zeros(trees.token_ids.numel(), device=target_probs.device),
@@ -117,10 +118,12 @@ def verify(
         from outrider.kernels.verification_triton import verify_triton
 
         out = verify_triton(trees, target_probs, is_greedy, randoms)
-    elif target_probs.device.type == "cpu" and (bool(is_greedy.all()) or trees.batch_size <= HOST_MAX_BATCH):
+    elif target_probs.device.type == "cpu" and (all_greedy or trees.batch_size <= HOST_MAX_BATCH):
         out = verify_host(trees, target_probs, is_greedy, randoms)
     else:
         out = verify_reference(trees, target_probs, is_greedy, randoms)
+    if all_greedy:  # (no sampled root-only tree to draw for)
+        return out
     # Root-only trees of sampled sequences beside drafted ones: their token by inverse CDF with
     # their one uniform, as when the whole batch is root-only (`draw_verify_randoms`).
     starts = trees.cu_num_draft_tokens[:-1]
