@@ -87,3 +87,29 @@ def test_greedy_rows_take_the_first_of_tied_maxima_in_every_dtype(seed, batch, a
     fast, slow = verify_host(trees, probs, greedy, randoms), verify_reference(trees, probs, greedy, randoms)
     assert torch.equal(fast.output_token_ids, slow.output_token_ids)
     assert torch.equal(fast.num_output_tokens, slow.num_output_tokens)
+
+
+def test_a_sampled_root_only_tree_beside_a_drafted_one_draws_by_inverse_cdf() -> None:
+    """A batch not all greedy: a sampled sequence verifying its root alone gets its token by
+    inverse CDF with its one uniform, as when the whole batch is root-only; an all-greedy batch
+    has no such row and skips that step."""
+    from outrider.kernels import pack_trees
+    from outrider.kernels.verification import VerifyRandoms, verify_roots
+    from outrider.proto.tree import CandidateTree, DraftSampling
+
+    def tree(tokens: list[int]) -> CandidateTree:
+        n = len(tokens)
+        return CandidateTree(
+            seq_id=n, round=1, tokens=torch.tensor(tokens), parents=torch.arange(-1, n - 1),
+            q_nodes=torch.arange(n - 1), q_token_ids=torch.tensor(tokens[1:]).reshape(n - 1, 1),
+            q_probs=torch.ones(n - 1, 1), sampling=DraftSampling.DETERMINISTIC,
+        )  # fmt: skip
+
+    trees = pack_trees([tree([1, 2, 3]), tree([4])])
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(4, VOCAB, generator=gen).softmax(-1)
+    randoms = VerifyRandoms(torch.rand(4, generator=gen), torch.rand(2, VOCAB, generator=gen) + 0.1)
+    out = verify(trees, probs, torch.tensor([True, False]), randoms)
+    root = VerifyRandoms(randoms.uniforms[3:], None)
+    expected = verify_roots(probs[3:], torch.tensor([False]), root).output_token_ids[0, 0]
+    assert out.output_token_ids[1, 0] == expected and out.num_output_tokens[1] == 1
