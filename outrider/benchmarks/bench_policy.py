@@ -5,8 +5,9 @@
 
 For each method, temperature and batch size: plain decoding, fixed K in {1, 2, 4, 8} (every
 sequence drafts K tokens every round: vLLM's behaviour) and the adaptive policy (ceiling 8;
-outrider/target_worker/spec_policy.py), run in rotating order, `--repeats` times after one unmeasured
-warm-up; medians; speedups are ratios to plain within the same repeat.
+outrider/target_worker/spec_policy.py), one engine each on the same weights (its own KV cache),
+stepped in lockstep (`run_lockstep`), `--repeats` times after one unmeasured warm-up; medians;
+speedups are ratios to plain within the same repeat.
 
 The `replay-a` methods propose the target's own recorded greedy continuation with each token
 replaced with probability 1 - a (outrider/benchmarks/replay_drafter.py): at T = 0 a K-chain keeps
@@ -49,19 +50,73 @@ def run_once(
     runner, prompts, spec, mode: str, temperature: float, max_tokens: int, policies: dict, seed: int = 0,
     batch: int | None = None, admission: str = "waves",
 ) -> dict:  # fmt: skip
-    """Seeded requests in `mode`, `batch` at a time (None: all at once): in `waves`, each
-    `batch` requests start together and the next wait for the last of them (a run of one
-    64-token request lasted ~80 ms: too short to time); `continuous`, a request takes the
-    slot of one that finished, as a server keeps its batch full. The adaptive policy in
-    `policies[mode]` carries over from run to run, as in a long-running server (a fresh one
-    spends its first rounds measuring every depth). `seed` seeds the replay drafter's
-    corruptions: each repeat draws afresh (with one seed every repeat of a fixed K would keep
-    exactly the same tokens)."""
+    """`run_lockstep` of one mode, alone on `runner`'s KV cache."""
+    alone = (seed, batch, admission, False)  # (own_caches: none, the runner's)
+    return run_lockstep(runner, prompts, spec, [mode], temperature, max_tokens, policies, *alone)[mode]
+
+
+def run_lockstep(
+    runner, prompts, spec, modes: list[str], temperature: float, max_tokens: int, policies: dict,
+    seed: int = 0, batch: int | None = None, admission: str = "waves", own_caches: bool = True,
+) -> dict[str, dict]:  # fmt: skip
+    """The same seeded requests on one engine per mode (the runner's weights; each its own KV
+    cache unless `own_caches` is False), stepped in lockstep: always the engine whose steps
+    have taken least time so far (ties: in `modes`' order), as `outrider bench` steps its
+    engines beside a plain partner. Run one after the other, the same configuration's round
+    at batch 16 measured 8.0, 11.4 and 11.0 ms in three runs minutes apart on this machine;
+    stepped together every mode meets the same moments of it.
+
+    `batch` requests at a time (None: all at once): in `waves`, each `batch` start together
+    and the next wait for the last of them (a run of one 64-token request lasted ~80 ms: too
+    short to time); `continuous`, a request takes the slot of one that finished, as a server
+    keeps its batch full. The adaptive policy in `policies[mode]` carries over from run to
+    run, as in a long-running server (a fresh one spends its first rounds measuring every
+    depth). `seed` seeds the replay drafter's corruptions: each repeat draws afresh (with one
+    seed every repeat of a fixed K would keep exactly the same tokens)."""
+    from outrider.target_worker.kv_cache import KVCache
+    from outrider.target_worker.runner import ModelRunner
+    from outrider.target_worker.sequence import RequestParams
+
+    if admission not in ADMISSIONS:
+        raise ValueError(f"admission {admission!r}; use one of {ADMISSIONS}")
+    size = (batch or len(prompts)) if admission == "waves" else len(prompts)  # requests added at once
+    params = [
+        RequestParams(temperature=temperature, seed=i, max_tokens=max_tokens, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    engines, before = [], []
+    for mode in modes:
+        own = runner
+        if own_caches:
+            own = ModelRunner(runner.model, KVCache(runner.model.kv_spec(), runner.cache.total_rows,
+                                                    runner.device), runner.max_model_len)  # fmt: skip
+        engine = _engine(own, spec, mode, policies, seed, batch or len(prompts))
+        engines.append(engine)
+        before.append(list(engine.policy.stats.depth_counts) if engine.policy is not None else None)
+    tokens, spent, added = [0] * len(modes), [0.0] * len(modes), [0] * len(modes)
+    live = list(range(len(modes)))
+    while live:
+        i = min(live, key=spent.__getitem__)
+        engine = engines[i]
+        started = time.perf_counter()
+        if not engine.has_unfinished():
+            if added[i] == len(prompts):
+                live.remove(i)
+                continue
+            wave = range(added[i], min(added[i] + size, len(prompts)))
+            for r in wave:
+                engine.add_request(prompts[r], params[r])
+            added[i] = wave.stop
+        tokens[i] += sum(len(o.new_token_ids) for o in engine.step())
+        spent[i] += time.perf_counter() - started
+    return {mode: _row(engines[i], tokens[i] / spent[i], before[i]) for i, mode in enumerate(modes)}
+
+
+def _engine(runner, spec, mode: str, policies: dict, seed: int, max_batch: int):
     from outrider.draft_worker import build_proposer
     from outrider.proto import TreeBudget
     from outrider.target_worker.draft_source import InProcessDraftSource
     from outrider.target_worker.engine import Engine
-    from outrider.target_worker.sequence import RequestParams
 
     source, depth = None, CEILING_DEPTH if mode == "adaptive" else (int(mode[1:]) if mode != "plain" else 0)
     if mode != "plain":
@@ -73,31 +128,21 @@ def run_once(
         runner,
         source,
         eos_token_id=None,
-        max_batch=batch or len(prompts),
+        max_batch=max_batch,
         tree_budget=TreeBudget(max_nodes=depth + 1, max_depth=max(depth, 1), top_k=1),
         budget_policy="adaptive" if mode == "adaptive" else "fixed",
     )
     if engine.policy is not None:
         engine.policy = policies.setdefault(mode, engine.policy)
-    params = [
-        RequestParams(temperature=temperature, seed=i, max_tokens=max_tokens, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
-    before = list(engine.policy.stats.depth_counts) if engine.policy is not None else None
-    if admission not in ADMISSIONS:
-        raise ValueError(f"admission {admission!r}; use one of {ADMISSIONS}")
-    # One `generate` a wave; continuous: one for all (the engine admits as slots free up).
-    size = (batch or len(prompts)) if admission == "waves" else len(prompts)
-    started = time.perf_counter()
-    completions = []
-    for first in range(0, len(prompts), size):
-        completions += engine.generate(prompts[first : first + size], params[first : first + size])
-    elapsed = time.perf_counter() - started
+    return engine
+
+
+def _row(engine, tokens_per_s: float, before: list[int] | None) -> dict:
     spec_stats, policy = engine.stats.spec, engine.policy
     drafts = max(spec_stats.num_drafts, 1)
     row = {
-        "tokens_per_s": sum(len(c.token_ids) for c in completions) / elapsed,
-        "acceptance_length": 1 + spec_stats.num_accepted_tokens / drafts if source else None,
+        "tokens_per_s": tokens_per_s,
+        "acceptance_length": 1 + spec_stats.num_accepted_tokens / drafts if policy is not None else None,
         "per_position": [round(n / drafts, 3) for n in spec_stats.num_accepted_tokens_per_pos],
     }
     if policy is not None:
@@ -140,15 +185,15 @@ def measure(
     samples: dict[str, list[dict]] = {m: [] for m in modes}
     policies: dict = {}
     common = (runner, prompts, spec)
-    for mode in modes:  # warm-up, unmeasured
-        run_once(*common, mode, temperature, args.max_tokens, policies, batch=batch, admission=admission)
+    run_lockstep(*common, modes, temperature, args.max_tokens, policies, 0, batch, admission)  # warm-up
     for repeat in range(args.repeats):
-        shift = repeat % len(modes)
-        for mode in modes[shift:] + modes[:shift]:
-            run = run_once(
-                *common, mode, temperature, args.max_tokens, policies, repeat + 1, batch, admission
-            )
-            samples[mode].append(run)
+        shift = repeat % len(modes)  # (who steps first on ties)
+        order = modes[shift:] + modes[:shift]
+        run = run_lockstep(
+            *common, order, temperature, args.max_tokens, policies, repeat + 1, batch, admission
+        )
+        for mode in modes:
+            samples[mode].append(run[mode])
     plain = [s["tokens_per_s"] for s in samples["plain"]]
     line = samples["adaptive"][0]["verify_line"]
     rows = []
@@ -235,9 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         f"Demo family `{args.size}`, `mid` prompts of {args.prompt_tokens} tokens, {args.max_tokens} new tokens "
         f"each, seeded requests ({args.requests} a run, `batch` at a time: `waves`, each `batch` start together and "
         "the next wait for the last of them; `continuous`, 3 x batch a run, a request taking a finished one's slot "
-        f"as a server keeps its batch full), in-process drafters, chains, one torch thread, {args.repeats} repeats in "
-        "rotating order after one unmeasured warm-up (medians; speedups are ratios to `plain` in the same "
-        "repeat). `K<k>`: every sequence drafts k tokens every round (fixed, vLLM's behaviour); `adaptive`: "
+        f"as a server keeps its batch full), in-process drafters, chains, one torch thread; every mode an engine of "
+        "its own on the same weights (its own KV cache), all stepped in lockstep (the next step always the one "
+        "of whichever engine has spent least time: each meets the same moments of the machine, whose speed "
+        f"drifts by ~20% over minutes), {args.repeats} repeats after one unmeasured warm-up (medians; speedups "
+        "are ratios to `plain` in the same repeat). `K<k>`: every sequence drafts k tokens every round (fixed, vLLM's behaviour); `adaptive`: "
         f"the speculation policy with ceiling {CEILING_DEPTH} (`mean_depth` = its mean chosen depth, 0 = no "
         "draft; one policy per configuration, carried across its runs as in a long-running server). `replay-a`: the target's recorded greedy continuation with each token replaced with "
         "probability 1 - a, at T = 0; `ideal_speedup` = tau(K) x verify(B) / verify(B (K + 1)) from the "

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from outrider.benchmarks.bench_policy import run_once, runs, specs
+from outrider.benchmarks.bench_policy import run_lockstep, run_once, runs, specs
 from outrider.target_worker.engine import Engine
 from outrider.target_worker.runner import ModelRunner
+from outrider.target_worker.sequence import RequestParams
 
 PROMPTS = [[5, 9, 11, 40, 7, 8, 9, 10], [300, 301, 17, 17, 18], [1000, 12, 13, 14, 15, 16]] * 2
 
@@ -29,26 +30,61 @@ def test_batch_1_is_measured_once_and_larger_batches_both_ways():
 
 @pytest.mark.parametrize("mode", ["plain", "K2"])
 def test_continuous_admission_refills_the_batch_where_waves_wait(runner, tiny_family, monkeypatch, mode):
-    calls, batches = [], []
-    generate, step = Engine.generate, Engine.step
+    groups, batches = [], []
+    add_request, step = Engine.add_request, Engine.step
 
-    def counted_generate(self, prompts, params):
-        calls.append(len(prompts))
-        return generate(self, prompts, params)
+    def counted_add(self, prompt, params=None):
+        if not groups or groups[-1][0] != self.round:  # requests added between two steps: one group
+            groups.append([self.round, 0])
+        groups[-1][1] += 1
+        return add_request(self, prompt, params)
 
     def counted_step(self):
         batches.append(len([s for s in self.running if not s.prefilling]))
         return step(self)
 
-    monkeypatch.setattr(Engine, "generate", counted_generate)
+    monkeypatch.setattr(Engine, "add_request", counted_add)
     monkeypatch.setattr(Engine, "step", counted_step)
     spec = specs("ngram", tiny_family, None)
     rows = {}
     for admission in ("waves", "continuous"):
-        calls.clear()
+        groups.clear()
         rows[admission] = run_once(runner, PROMPTS, spec, mode, 0.0, 24, {}, batch=2, admission=admission)
         assert rows[admission]["tokens_per_s"] > 0
-        assert calls == ([2, 2, 2] if admission == "waves" else [6])
+        assert [n for _, n in groups] == ([2, 2, 2] if admission == "waves" else [6])
     assert max(batches) == 2  # never more than `batch` decoding at once
     with pytest.raises(ValueError, match="admission"):
         run_once(runner, PROMPTS, spec, mode, 0.0, 24, {}, batch=2, admission="all")
+
+
+def test_lockstep_interleaves_the_modes_each_on_its_own_cache(runner, tiny_family, monkeypatch):
+    """Every mode's engine steps beside the others (not one run after another), and each has
+    a KV cache of its own: interleaved on one cache they would write each other's rows (here
+    the same rows alike, so the outputs below cannot tell: the caches are compared). At
+    T = 0 every mode's output is plain greedy decoding's, token for token."""
+    steps, outputs, caches = [], {}, {}
+    step = Engine.step
+
+    def recorded_step(self):
+        steps.append(id(self))
+        caches[id(self)] = id(self.runner.cache)
+        out = step(self)
+        for o in out:
+            outputs.setdefault(id(self), {}).setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out
+
+    monkeypatch.setattr(Engine, "step", recorded_step)
+    spec = specs("ngram", tiny_family, None)
+    modes = ["plain", "K2", "adaptive"]
+    rows = run_lockstep(runner, PROMPTS, spec, modes, 0.0, 24, {}, batch=2, admission="continuous")
+    assert set(rows) == set(modes) and all(r["tokens_per_s"] > 0 for r in rows.values())
+    engines = list(dict.fromkeys(steps))
+    assert len(engines) == 3 and len(set(caches.values())) == 3 and id(runner.cache) not in caches.values()
+    last = [max(i for i, e in enumerate(steps) if e == engine) for engine in engines]
+    first = [steps.index(engine) for engine in engines]
+    assert max(first) < min(last)  # all had started before any finished
+    monkeypatch.setattr(Engine, "step", step)
+    alone = Engine(runner, None, eos_token_id=None, max_batch=2)
+    expected = [c.token_ids for c in alone.generate(PROMPTS, RequestParams(max_tokens=24, ignore_eos=True))]
+    for engine in engines:
+        assert [outputs[engine][i] for i in sorted(outputs[engine])] == expected
