@@ -94,6 +94,7 @@ def run_lockstep(
         engines.append(engine)
         before.append(list(engine.policy.stats.depth_counts) if engine.policy is not None else None)
     tokens, spent, added = [0] * len(modes), [0.0] * len(modes), [0] * len(modes)
+    full = [[0, 0.0] for _ in modes]  # tokens and seconds of the steps with every slot taken
     live = list(range(len(modes)))
     while live:
         i = min(live, key=spent.__getitem__)
@@ -107,9 +108,13 @@ def run_lockstep(
             for r in wave:
                 engine.add_request(prompts[r], params[r])
             added[i] = wave.stop
-        tokens[i] += sum(len(o.new_token_ids) for o in engine.step())
-        spent[i] += time.perf_counter() - started
-    return {mode: _row(engines[i], tokens[i] / spent[i], before[i]) for i, mode in enumerate(modes)}
+        filled = len(engine.running) + len(engine.waiting) >= engine.kv.max_batch
+        new = sum(len(o.new_token_ids) for o in engine.step())
+        seconds = time.perf_counter() - started
+        tokens[i], spent[i] = tokens[i] + new, spent[i] + seconds
+        if filled:
+            full[i][0], full[i][1] = full[i][0] + new, full[i][1] + seconds
+    return {mode: _row(engines[i], tokens[i] / spent[i], full[i], before[i]) for i, mode in enumerate(modes)}
 
 
 def _engine(runner, spec, mode: str, policies: dict, seed: int, max_batch: int):
@@ -137,11 +142,14 @@ def _engine(runner, spec, mode: str, policies: dict, seed: int, max_batch: int):
     return engine
 
 
-def _row(engine, tokens_per_s: float, before: list[int] | None) -> dict:
+def _row(engine, tokens_per_s: float, full: list, before: list[int] | None) -> dict:
+    """`full`: the tokens and seconds of the steps with every slot taken."""
     spec_stats, policy = engine.stats.spec, engine.policy
     drafts = max(spec_stats.num_drafts, 1)
     row = {
         "tokens_per_s": tokens_per_s,
+        "full_tokens": full[0],
+        "full_tokens_per_s": full[0] / max(full[1], 1e-9),
         "acceptance_length": 1 + spec_stats.num_accepted_tokens / drafts if policy is not None else None,
         "per_position": [round(n / drafts, 3) for n in spec_stats.num_accepted_tokens_per_pos],
     }
@@ -195,6 +203,7 @@ def measure(
         for mode in modes:
             samples[mode].append(run[mode])
     plain = [s["tokens_per_s"] for s in samples["plain"]]
+    plain_full = [s["full_tokens_per_s"] for s in samples["plain"]]
     line = samples["adaptive"][0]["verify_line"]
     rows = []
     for mode in modes:
@@ -209,6 +218,10 @@ def measure(
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "speedup_vs_plain": statistics.median(
                 r["tokens_per_s"] / p for r, p in zip(runs, plain, strict=True)
+            ),
+            "full_batch_tokens_per_s": statistics.median(r["full_tokens_per_s"] for r in runs),
+            "full_batch_speedup": statistics.median(
+                r["full_tokens_per_s"] / p for r, p in zip(runs, plain_full, strict=True)
             ),
             "acceptance_length": statistics.median(r["acceptance_length"] for r in runs)
             if mode != "plain"
@@ -284,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         "its own on the same weights (its own KV cache), all stepped in lockstep (the next step always the one "
         "of whichever engine has spent least time: each meets the same moments of the machine, whose speed "
         f"drifts by ~20% over minutes), {args.repeats} repeats after one unmeasured warm-up (medians; speedups "
-        "are ratios to `plain` in the same repeat). `K<k>`: every sequence drafts k tokens every round (fixed, vLLM's behaviour); `adaptive`: "
+        "are ratios to `plain` in the same repeat). `full_batch_*`: over the steps with every slot taken (a "
+        "request running or waiting for each of the `batch` slots), leaving out a run's drain: plain decoding "
+        "ends a wave's requests in one round (one token each a round), speculation ends them rounds apart "
+        "and runs its last rounds below `batch`, where a round's fixed cost is shared by fewer sequences; "
+        "a server kept full by its clients has no drain. `K<k>`: every sequence drafts k tokens every round (fixed, vLLM's behaviour); `adaptive`: "
         f"the speculation policy with ceiling {CEILING_DEPTH} (`mean_depth` = its mean chosen depth, 0 = no "
         "draft; one policy per configuration, carried across its runs as in a long-running server). `replay-a`: the target's recorded greedy continuation with each token replaced with "
         "probability 1 - a, at T = 0; `ideal_speedup` = tau(K) x verify(B) / verify(B (K + 1)) from the "

@@ -88,3 +88,14 @@ def test_lockstep_interleaves_the_modes_each_on_its_own_cache(runner, tiny_famil
     expected = [c.token_ids for c in alone.generate(PROMPTS, RequestParams(max_tokens=24, ignore_eos=True))]
     for engine in engines:
         assert [outputs[engine][i] for i in sorted(outputs[engine])] == expected
+
+
+def test_full_batch_figures_leave_out_the_drain(runner, tiny_family):
+    """`full_tokens` counts the steps that began with every slot taken (running or waiting),
+    so a run's drain (its last requests, the batch below `batch`) is left out. Plain decoding
+    ends the requests it admitted together in one round: 4 requests 2 at a time have no drain;
+    3 at a time, the fourth runs alone after the first three, all of it drain."""
+    spec = specs("ngram", tiny_family, None)
+    for batch, full in ((2, 4 * 24), (3, 3 * 24)):
+        row = run_once(runner, PROMPTS[:4], spec, "plain", 0.0, 24, {}, batch=batch, admission="continuous")
+        assert row["full_tokens"] == full and row["full_tokens_per_s"] > 0
