@@ -393,15 +393,16 @@ class OpenAIIngress:
         start = time.monotonic()
         merged: asyncio.Queue = asyncio.Queue()
         counts = [0] * len(streams)
+        emitted = [0] * len(streams)  # each choice's tokens in the chunks sent (`usage_in_every_chunk`)
 
         async def pump(index: int, stream) -> None:
             times: list[float] = []
             reason, chars, echo = "abort", 0, not chat and req.echo
             try:
                 if chat:
-                    await merged.put((index, {"role": "assistant", "content": ""}, None, None))
+                    await merged.put((index, {"role": "assistant", "content": ""}, None, None, 0))
                 elif req.echo:
-                    await merged.put((index, self._echo(req), None, None))
+                    await merged.put((index, self._echo(req), None, None, 0))
                 async for text, n, finished, logprobs, _ in self._choice(stream, req):
                     times.extend([time.monotonic()] * n)
                     counts[index] += n
@@ -410,9 +411,10 @@ class OpenAIIngress:
                         scores = self._logprobs(req, list(logprobs), chat, chars, echo)
                         chars += sum(len(t) for t in (scores or {}).get("tokens", ()))
                         echo = False  # the prompt's logprobs come with the first tokens only
-                        await merged.put((index, {"content": text} if chat else text, finished, scores))
+                        payload = {"content": text} if chat else text
+                        await merged.put((index, payload, finished, scores, counts[index]))
             except Exception as e:  # reported in-band: the 200 status is already sent
-                await merged.put((index, _as_api_error(e), None, None))
+                await merged.put((index, _as_api_error(e), None, None, counts[index]))
             finally:
                 self.metrics.request_done(prompt_len, times, start, reason)
                 await merged.put(None)
@@ -425,13 +427,14 @@ class OpenAIIngress:
                 if item is None:
                     open_streams -= 1
                     continue
-                index, payload, finished, scores = item
+                index, payload, finished, scores, emitted[index] = item
                 if isinstance(payload, ApiError):
                     yield _sse(payload.body())
                     continue
                 key = "delta" if chat else "text"
                 choice = {"index": index, key: payload, "finish_reason": finished, "logprobs": scores}
-                yield _sse(chunk_body(request_id, self.model.name, [choice], chat))
+                so_far = usage(prompt_len, sum(emitted)) if req.usage_in_every_chunk else None
+                yield _sse(chunk_body(request_id, self.model.name, [choice], chat, so_far))
             if req.include_usage_in_stream:
                 yield _sse(chunk_body(request_id, self.model.name, [], chat, usage(prompt_len, sum(counts))))
             yield "data: [DONE]\n\n"

@@ -29,6 +29,17 @@ from outrider.target_worker.sequence import MAX_LOGPROBS, GrammarSpec, RequestPa
 MAX_N = 16  # choices per request: each is a sequence in the batch, so bound the fan-out
 
 
+class StreamOptions(BaseModel):
+    """`stream_options`: OpenAI's `include_usage` (a last chunk with the usage) and vLLM's
+    `continuous_usage_stats` (with `include_usage`, as vLLM: the usage so far in every chunk);
+    any other option is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -45,7 +56,7 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = Field(None, validate_default=True)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
@@ -112,7 +123,13 @@ class SamplingFields(BaseModel):
 
     @property
     def include_usage_in_stream(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        """vLLM's `continuous_usage_stats` (with `include_usage`): each chunk carries the usage so far."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
     def request_params(
         self, max_tokens: int, index: int, grammar: GrammarSpec | None = None

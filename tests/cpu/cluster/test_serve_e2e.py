@@ -9,6 +9,7 @@ input gets OpenAI's error shape and status, and the server stays healthy afterwa
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 
 import pytest
 from serve_testlib import MODEL, deploy, get, local_serve, metric, post
@@ -71,6 +72,32 @@ def test_stream_equals_whole_and_ends_with_done(base_url):
     )
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.read().decode().rstrip().endswith("data: [DONE]")
+
+
+def test_continuous_usage_stats_count_the_tokens_each_chunk_brings(base_url):
+    """vLLM's `continuous_usage_stats` (with `include_usage`): every chunk carries the usage so
+    far; drafts kept, a chunk brings several tokens at once, and the counts sum to the whole."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for app in ("spec", "off"):
+        chunks = list(
+            client(base_url, app).completions.create(
+                model=MODEL,
+                prompt=PROMPTS[1],
+                max_tokens=40,
+                temperature=0,
+                stream=True,
+                stream_options=options,
+            )
+        )
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None for c in chunks) and counts == sorted(counts)
+        assert counts[-1] == counts[-2] == 40 and chunks[-1].usage.prompt_tokens > 0
+        if app == "spec":
+            assert max(b - a for a, b in itertools.pairwise(counts)) > 1  # a round kept drafts
+    plain = client(base_url, "spec").completions.create(  # include_usage alone: the last chunk only
+        model=MODEL, prompt=PROMPTS[1], max_tokens=8, stream=True, stream_options={"include_usage": True}
+    )
+    assert [c.usage is not None for c in plain][-2:] == [False, True]
 
 
 def test_chat_completion_and_stream(base_url):
@@ -317,6 +344,11 @@ def test_stop_token_ids_min_tokens_and_logit_bias_reach_the_engine(base_url):
         ),
         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM: not with stream
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        (
+            {"stream": True, "stream_options": {"include_usage": True, "usage_every": 1}},
+            "stream_options.usage_every",
+        ),
+        ({"stream": True, "stream_options": {"include_usage": "often"}}, "stream_options.include_usage"),
     ],
 )
 def test_unimplemented_or_bad_fields_are_refused_not_ignored(base_url, body, param):
