@@ -32,7 +32,9 @@ initialisation, and the policy's cold start: a long-running server has had them)
 Figures carry vLLM's names (its benchmark_serving): output token throughput (completion
 tokens / the level's wall time), TTFT, TPOT ((latency - TTFT) / (tokens - 1)), ITL (gaps
 between streamed chunks carrying text), median and p99, and the acceptance length and
-per-position acceptance from the application's /metrics counters over the level.
+per-position acceptance from the application's /metrics counters over the level. Beside
+them, `full_concurrency_tok_s`: while every client had a request in flight (a block's end,
+where speculation's answers leave rounds apart and plain's in one round, left out).
 """
 
 from __future__ import annotations
@@ -187,6 +189,7 @@ def level_figures(blocks: list[tuple[list, float, dict, dict]]) -> dict:
     rounds = after.get("depth_count", 0.0) - before.get("depth_count", 0.0)
     return {
         "output_tok_s": tokens / wall,
+        "full_concurrency_tok_s": full_concurrency_rate([block[0] for block in blocks]),
         "ttft_ms_median": statistics.median(ttft),
         "ttft_ms_p99": percentile(ttft, 0.99),
         "tpot_ms_median": statistics.median(tpot) if tpot else None,
@@ -199,6 +202,21 @@ def level_figures(blocks: list[tuple[list, float, dict, dict]]) -> dict:
         "mean_budget_depth": (after["depth_sum"] - before.get("depth_sum", 0.0)) / rounds if rounds else None,
         "budget_off_share": (after["depth0"] - before.get("depth0", 0.0)) / rounds if rounds else None,
     }
+
+
+def full_concurrency_rate(blocks: list[list]) -> float | None:
+    """Output tokens a second while every client had a request in flight: in each block, from
+    its first request's start to its last's (after it, answers leave and none replace them),
+    counted from the usage every chunk carries (`RequestRecord.token_times`). None where a
+    block has no such stretch (one wave) or chunks came without usage."""
+    tokens, seconds = 0, 0.0
+    for records in blocks:
+        first, last = min(r.start for r in records), max(r.start for r in records)
+        if last <= first or not all(r.token_times for r in records):
+            return None
+        seconds += last - first
+        tokens += sum(max((n for t, n in r.token_times if t <= last), default=0) for r in records)
+    return tokens / seconds if seconds else None
 
 
 def sweep(args: argparse.Namespace, log=print) -> list[dict]:
@@ -268,6 +286,7 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
                 aa = {}
                 if control:
                     aa["control_vs_off"] = measured[CONTROL]["output_tok_s"] / base_tok_s
+                    aa["control_full_concurrency"] = ratio(measured[CONTROL], measured[OFF])
                     control_row = {"method": CONTROL, "placement": "—", "budget": "—", **common}
                     rows.append({**control_row, **measured[CONTROL], "speedup_vs_off": aa["control_vs_off"]})
                 for budget in budgets:
@@ -279,6 +298,7 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
                             **common,
                             **measured[budget],
                             "speedup_vs_off": measured[budget]["output_tok_s"] / base_tok_s,
+                            "full_concurrency_speedup": ratio(measured[budget], measured[OFF]),
                             **aa,
                         }
                     )
@@ -296,35 +316,44 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
     return rows
 
 
+def ratio(figures: dict, off: dict) -> float | None:
+    """`full_concurrency_tok_s` over off's, where both were measured."""
+    a, b = figures["full_concurrency_tok_s"], off["full_concurrency_tok_s"]
+    return a / b if a and b else None
+
+
 def summary(rows: list[dict]) -> list[dict]:
-    """Per (method, placement, temperature, concurrency): adaptive, the best fixed K, and off."""
+    """Per (method, placement, temperature, concurrency): adaptive, the best fixed K, and off,
+    over whole blocks and (`full_*`) while every client had a request in flight."""
     cells: dict[tuple, dict] = {}
-    controls: dict[tuple, float | None] = {}
+    controls: dict[tuple, tuple] = {}
     for row in rows:
         if row["method"] in (OFF, CONTROL):
             continue
         key = (row["method"], row["placement"], row["temperature"], row["concurrency"])
-        cells.setdefault(key, {})[row["budget"]] = row["speedup_vs_off"]
-        controls[key] = row.get("control_vs_off")
+        cells.setdefault(key, {})[row["budget"]] = (
+            row["speedup_vs_off"],
+            row.get("full_concurrency_speedup"),
+        )
+        controls[key] = (row.get("control_vs_off"), row.get("control_full_concurrency"))
     out = []
     for key, by_budget in cells.items():
         method, placement, temperature, concurrency = key
-        fixed = {b: s for b, s in by_budget.items() if b != "adaptive"}
-        best = max(fixed, key=fixed.get) if fixed else None
-        adaptive = by_budget.get("adaptive")
-        out.append(
-            {
-                "method": method,
-                "placement": placement,
-                "temperature": temperature,
-                "concurrency": concurrency,
-                "adaptive_vs_off": adaptive,
-                "best_fixed": best,
-                "best_fixed_vs_off": fixed.get(best),
-                "adaptive_vs_best_fixed": adaptive / fixed[best] if adaptive and best else None,
-                "control_vs_off": controls[key],
+        cell = {"method": method, "placement": placement, "temperature": temperature}
+        cell["concurrency"] = concurrency
+        for i, prefix in enumerate(("", "full_")):
+            speedups = {b: s[i] for b, s in by_budget.items()}
+            fixed = {b: s for b, s in speedups.items() if b != "adaptive" and s is not None}
+            best = max(fixed, key=fixed.get) if fixed else None
+            adaptive = speedups.get("adaptive")
+            cell |= {
+                f"{prefix}adaptive_vs_off": adaptive,
+                f"{prefix}best_fixed": best,
+                f"{prefix}best_fixed_vs_off": fixed.get(best),
+                f"{prefix}adaptive_vs_best_fixed": adaptive / fixed[best] if adaptive and best else None,
+                f"{prefix}control_vs_off": controls[key][i],
             }
-        )
+        out.append(cell)
     return out
 
 

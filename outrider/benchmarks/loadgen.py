@@ -51,6 +51,9 @@ class RequestRecord:
     wrong: bool = False  # greedy and the text differs from the reference
     error: str = ""
     itl_s: list[float] = field(default_factory=list)  # streamed: gaps between chunks carrying text
+    # streamed: (seconds since the run began, completion tokens so far) at each chunk, from the
+    # server's usage in every chunk (vLLM's `continuous_usage_stats`); empty where it sent none
+    token_times: list[tuple[float, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,7 +98,8 @@ class LoadGenerator:
             body["ignore_eos"] = True
         body |= {"temperature": 0.0} if greedy else {"temperature": 1.0, "seed": self.rng.randrange(1 << 30)}
         if stream:
-            body |= {"stream": True, "stream_options": {"include_usage": True}}
+            options = {"include_usage": True, "continuous_usage_stats": True}
+            body |= {"stream": True, "stream_options": options}
         kind = "disconnect" if disconnect else ("stream" if stream else "whole")
         start = time.monotonic()
         record = RequestRecord(start - self._t0, 0.0, False, kind, greedy)
@@ -152,6 +156,7 @@ class LoadGenerator:
                 return None
             if event.get("usage"):
                 record.tokens = event["usage"]["completion_tokens"]
+                record.token_times.append((time.monotonic() - self._t0, record.tokens))
             for choice in event.get("choices", []):
                 if choice.get("text"):
                     now = time.monotonic()

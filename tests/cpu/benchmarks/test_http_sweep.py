@@ -1,5 +1,7 @@
 """The HTTP sweep's bookkeeping (the sweep itself needs a served family: run it by hand)."""
 
+import pytest
+
 from outrider.benchmarks.bench_http_sweep import speculative_config, summary
 
 
@@ -126,3 +128,41 @@ def test_the_control_is_on_by_default_and_off_with_no_control(monkeypatch):
     sweep.main(["--size", "tiny"])
     sweep.main(["--size", "tiny", "--no-control"])
     assert seen == [True, False]
+
+
+def test_full_concurrency_rate_counts_the_tokens_streamed_while_every_client_was_busy():
+    """From a block's first request start to its last's: after that answers leave and none
+    replace them. Two clients, four requests: plain ends each wave in one round; speculation
+    ends its requests apart and its last runs alone, which the whole block's rate counts and
+    this one leaves out."""
+    from outrider.benchmarks.bench_http_sweep import full_concurrency_rate
+    from outrider.benchmarks.loadgen import RequestRecord
+
+    def record(start, end, tokens=10):  # a token every (end - start) / tokens seconds
+        times = [(start + (end - start) * (i + 1) / tokens, i + 1) for i in range(tokens)]
+        return RequestRecord(start, end - start, True, "stream", True, tokens=tokens, token_times=times)
+
+    plain = [record(0, 1), record(0, 1), record(1, 2), record(1, 2)]
+    assert full_concurrency_rate([plain]) == 20 / 1  # the first wave's tokens over [0, 1]
+    spec = [record(0, 0.5), record(0, 0.8), record(0.5, 1.0), record(0.8, 1.6)]
+    # by 0.8: 10 + 10 + 6 (third request, 0.3 s of its 0.5) + 0 (the last starts then)
+    assert full_concurrency_rate([spec]) == pytest.approx(26 / 0.8)
+    assert full_concurrency_rate([plain, spec]) == pytest.approx((20 + 26) / 1.8)  # pooled over blocks
+    assert full_concurrency_rate([plain[:2]]) is None  # one wave: no stretch with every client busy
+    no_usage = [RequestRecord(r.start, r.latency_s, True, "stream", True, tokens=10) for r in plain]
+    assert full_concurrency_rate([no_usage]) is None  # a server that sent usage only at the end
+
+
+def test_the_summary_gives_the_full_concurrency_ratios_beside_the_whole_blocks():
+    def row(budget, whole, full):
+        point = {"method": "ngram", "placement": "colocated", "temperature": 0.0, "concurrency": 16}
+        return point | {"budget": budget, "speedup_vs_off": whole, "full_concurrency_speedup": full}
+
+    rows = [row("adaptive", 0.95, 1.10), row("K1", 0.97, 1.05), row("K2", 0.90, 1.12)]
+    (cell,) = summary([{**r, "control_vs_off": 1.01, "control_full_concurrency": 0.99} for r in rows])
+    assert (cell["best_fixed"], cell["full_best_fixed"]) == ("K1", "K2")  # each measure its own best
+    assert cell["adaptive_vs_best_fixed"] == pytest.approx(0.95 / 0.97)
+    assert cell["full_adaptive_vs_best_fixed"] == pytest.approx(1.10 / 1.12)
+    assert (cell["control_vs_off"], cell["full_control_vs_off"]) == (1.01, 0.99)
+    (unmeasured,) = summary([{**row("adaptive", 1.0, None)}, row("K1", 1.0, None)])
+    assert unmeasured["full_adaptive_vs_off"] is None and unmeasured["full_best_fixed"] is None

@@ -32,8 +32,11 @@ class Stub(BaseHTTPRequestHandler):
         if body.get("stream"):
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            for word in text.split(" "):
+            every = (body.get("stream_options") or {}).get("continuous_usage_stats")
+            for i, word in enumerate(text.split(" ")):
                 event = {"choices": [{"index": 0, "text": word + " "}]}
+                if every:  # vLLM's usage in every chunk
+                    event["usage"] = {"completion_tokens": min(i + 1, 3)}
                 self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
             usage = {"choices": [], "usage": {"completion_tokens": 3}}
             self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
@@ -129,3 +132,16 @@ def test_scale_up_times_and_percentiles():
         "peak_reached_s": 10.0,
     }
     assert percentile([], 0.5) is None and percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+
+
+def test_streamed_requests_record_when_each_token_arrived(stub_url):
+    """The usage every chunk carries (vLLM's `continuous_usage_stats`, asked for with
+    `include_usage`) gives each chunk's arrival and the tokens by then: what the HTTP sweep's
+    full-concurrency rate counts."""
+    generator = LoadGenerator(stub_url, "m", [], 3)
+    Stub.bodies.clear()
+    record = generator.request("x", stream=True, greedy=True)
+    assert Stub.bodies[-1]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    times = [t for t, _ in record.token_times]
+    assert [n for _, n in record.token_times] == [1, 2, 3, 3, 3] and times == sorted(times)
+    assert record.start <= times[0] and record.tokens == 3
