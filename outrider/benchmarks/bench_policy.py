@@ -117,6 +117,12 @@ def run_lockstep(
     return {mode: _row(engines[i], tokens[i] / spent[i], full[i], before[i]) for i, mode in enumerate(modes)}
 
 
+def _median(values) -> float | None:
+    """The median of the values that are not None; None if none are."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def _engine(runner, spec, mode: str, policies: dict, seed: int, max_batch: int):
     from outrider.draft_worker import build_proposer
     from outrider.proto import TreeBudget
@@ -149,7 +155,7 @@ def _row(engine, tokens_per_s: float, full: list, before: list[int] | None) -> d
     row = {
         "tokens_per_s": tokens_per_s,
         "full_tokens": full[0],
-        "full_tokens_per_s": full[0] / max(full[1], 1e-9),
+        "full_tokens_per_s": full[0] / full[1] if full[1] else None,  # (None: no step had every slot taken)
         "acceptance_length": 1 + spec_stats.num_accepted_tokens / drafts if policy is not None else None,
         "per_position": [round(n / drafts, 3) for n in spec_stats.num_accepted_tokens_per_pos],
     }
@@ -219,9 +225,10 @@ def measure(
             "speedup_vs_plain": statistics.median(
                 r["tokens_per_s"] / p for r, p in zip(runs, plain, strict=True)
             ),
-            "full_batch_tokens_per_s": statistics.median(r["full_tokens_per_s"] for r in runs),
-            "full_batch_speedup": statistics.median(
-                r["full_tokens_per_s"] / p for r, p in zip(runs, plain_full, strict=True)
+            "full_batch_tokens_per_s": _median(r["full_tokens_per_s"] for r in runs),
+            "full_batch_speedup": _median(
+                r["full_tokens_per_s"] / p if r["full_tokens_per_s"] and p else None
+                for r, p in zip(runs, plain_full, strict=True)
             ),
             "acceptance_length": statistics.median(r["acceptance_length"] for r in runs)
             if mode != "plain"

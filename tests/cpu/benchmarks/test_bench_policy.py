@@ -99,3 +99,6 @@ def test_full_batch_figures_leave_out_the_drain(runner, tiny_family):
     for batch, full in ((2, 4 * 24), (3, 3 * 24)):
         row = run_once(runner, PROMPTS[:4], spec, "plain", 0.0, 24, {}, batch=batch, admission="continuous")
         assert row["full_tokens"] == full and row["full_tokens_per_s"] > 0
+    # A batch larger than the run's requests never has every slot taken: no rate, not a zero
+    row = run_once(runner, PROMPTS[:2], spec, "plain", 0.0, 8, {}, batch=4, admission="continuous")
+    assert row["full_tokens"] == 0 and row["full_tokens_per_s"] is None
