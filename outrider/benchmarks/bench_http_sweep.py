@@ -286,7 +286,7 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
                 aa = {}
                 if control:
                     aa["control_vs_off"] = measured[CONTROL]["output_tok_s"] / base_tok_s
-                    aa["control_full_concurrency"] = ratio(measured[CONTROL], measured[OFF])
+                    aa["control_full_concurrency"] = full_ratio(measured[CONTROL], measured[OFF])
                     control_row = {"method": CONTROL, "placement": "—", "budget": "—", **common}
                     rows.append({**control_row, **measured[CONTROL], "speedup_vs_off": aa["control_vs_off"]})
                 for budget in budgets:
@@ -298,7 +298,7 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
                             **common,
                             **measured[budget],
                             "speedup_vs_off": measured[budget]["output_tok_s"] / base_tok_s,
-                            "full_concurrency_speedup": ratio(measured[budget], measured[OFF]),
+                            "full_concurrency_speedup": full_ratio(measured[budget], measured[OFF]),
                             **aa,
                         }
                     )
@@ -316,7 +316,7 @@ def sweep(args: argparse.Namespace, log=print) -> list[dict]:
     return rows
 
 
-def ratio(figures: dict, off: dict) -> float | None:
+def full_ratio(figures: dict, off: dict) -> float | None:
     """`full_concurrency_tok_s` over off's, where both were measured."""
     a, b = figures["full_concurrency_tok_s"], off["full_concurrency_tok_s"]
     return a / b if a and b else None
